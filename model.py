@@ -1,0 +1,178 @@
+"""
+Networks and the numbers they produce: TinyAgent (a small GPT with a KV cache), loading of Hugging
+Face causal LMs, log-probs of sequences and the sampler.
+
+TinyAgent's forward has the same signature as a Hugging Face causal LM (input_ids, attention_mask,
+position_ids, past_key_values, use_cache -> .logits, .past_key_values), so rollout.py and train.py
+drive both kinds of model with one piece of code.
+
+Simplifications, on purpose:
+1. Sampling is plain temperature sampling: no top-k / top-p. A truncated sampler needs the same
+   truncation when the trainer recomputes log-probs, or the first PPO ratio is not 1.
+2. TinyAgent uses learned absolute positions: with left padding the position ids must come from the
+   attention mask (position_ids_from_mask), exactly as for Hugging Face models.
+"""
+
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# TinyAgent
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x, mask, cache):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)  # [B, H, S+T, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln_2(x)), (k, v)
+
+
+class TinyAgent(nn.Module):
+    """A small GPT-style decoder over the word-level vocabulary of the tiny gyms."""
+
+    def __init__(self, vocab_size, n_layer=2, n_head=4, n_embd=128, max_len=256):
+        super().__init__()
+        self.max_len = max_len
+        self.config = SimpleNamespace(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                                      max_len=max_len)
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(max_len, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying: fewer parameters, a better small model
+        self.apply(self._init)
+
+    def _init(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None):
+        """Final hidden states [B, T, C] and the new cache (a list of (k, v) per layer, [B, H, S, D])."""
+        B, T = input_ids.shape
+        past = past_key_values[0][0].shape[2] if past_key_values else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)[:, past:]
+        if int(position_ids.max()) >= self.max_len:
+            raise ValueError(f'sequence of {int(position_ids.max()) + 1} positions exceeds max_len={self.max_len}')
+        # query i (absolute index past+i) sees key j if j <= past+i and key j is not padding
+        causal = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
+        self_key = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past).triu(past)
+        # a padding query still sees itself, so no softmax row is empty (an empty row gives NaN)
+        mask = (causal[None, None] & attention_mask[:, None, None, :].bool()) | self_key  # [B, 1, T, S]
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, mask, past_key_values[i] if past_key_values else None)
+            new_cache.append(kv)
+        return self.ln_f(x), new_cache
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        h, cache = self.hidden(input_ids, attention_mask, position_ids, past_key_values)
+        return SimpleNamespace(logits=self.lm_head(h), past_key_values=cache if use_cache else None)
+
+
+# -----------------------------------------------------------------------------
+# helpers shared by TinyAgent and Hugging Face models
+
+
+def position_ids_from_mask(attention_mask):
+    """Position of each token among the real tokens of its row: [B, S] -> [B, S] (padding gets 0).
+
+    Left padding shifts where a row starts; absolute-position models must not see that shift."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def trunk(model, ids, attention_mask=None):
+    """Final hidden states [B, T, C] of a TinyAgent or a Hugging Face causal LM (no KV cache)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(ids)
+    pos = position_ids_from_mask(attention_mask)
+    if isinstance(model, TinyAgent):
+        return model.hidden(ids, attention_mask, pos)[0]
+    return model.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+
+
+def select_cache(cache, keep):
+    """Keep rows `keep` (LongTensor [B']) of a KV cache: a TinyAgent list or a Hugging Face Cache."""
+    if isinstance(cache, list):
+        return [(k[keep], v[keep]) for k, v in cache]
+    cache.batch_select_indices(keep)
+    return cache
+
+
+def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1024, with_entropy=False):
+    """Log-probability of each next token under `model`: ids [B, T] -> logp [B, T-1].
+
+    Column j scores token j+1 given tokens 0..j, so logp lines up with action_mask [B, T-1]. Logits are
+    divided by `temperature`, the same transform the sampler used, so stored sampling log-probs and
+    this recomputation agree. The vocabulary projection runs in chunks of `chunk` positions as
+    gathered logit minus logsumexp: a full [B, T, V] log-softmax of a 152k vocabulary would take
+    gigabytes. With with_entropy=True also returns the entropy [B, T-1] of each tempered next-token
+    distribution (nats). Gradients flow unless the caller disables them."""
+    h = trunk(model, ids, attention_mask)[:, :-1]  # [B, T-1, C]
+    targets = ids[:, 1:]
+    logps, ents = [], []
+    for s in range(0, h.shape[1], chunk):
+        logits = model.lm_head(h[:, s:s + chunk]).float() / temperature  # [B, c, V]
+        lse = logits.logsumexp(-1)  # [B, c]
+        logps.append(logits.gather(-1, targets[:, s:s + chunk, None]).squeeze(-1) - lse)
+        if with_entropy:
+            ents.append(lse - (logits.softmax(-1) * logits).sum(-1))
+    logp = torch.cat(logps, 1)  # [B, T-1]
+    return (logp, torch.cat(ents, 1)) if with_entropy else logp
+
+
+def sample_next(logits, temperature=1.0, generator=None):
+    """Sample one token per row from softmax(logits / temperature): logits [B, V] -> (ids [B], logp [B]).
+
+    logp is the log-probability under the distribution actually sampled (after temperature), which is
+    what PPO's ratio needs. temperature == 0 means greedy; its logp is then under temperature 1."""
+    logits = logits.float()
+    if temperature == 0:
+        ids = logits.argmax(-1)
+        return ids, F.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    logp_all = F.log_softmax(logits / temperature, -1)  # [B, V]
+    ids = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+    return ids, logp_all.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def count_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_policy(cfg, vocab_size=None):
+    """Build the policy named by cfg['model']: 'tiny' -> TinyAgent(vocab_size, ...), else a Hugging
+    Face causal LM name or path (cfg['gguf_file'] optional). Returns the model on cfg['device'] in
+    float32 parameters (bf16 is applied by autocast in train.py). Raises ValueError on an unknown
+    model and OSError when a Hugging Face model cannot be found offline."""
+    if cfg['model'] == 'tiny':
+        return TinyAgent(vocab_size, cfg['n_layer'], cfg['n_head'], cfg['n_embd'], cfg['max_len']).to(cfg['device'])
+    from transformers import AutoModelForCausalLM
+    kw = dict(gguf_file=cfg['gguf_file']) if cfg.get('gguf_file') else {}
+    dtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[cfg['dtype']]
+    model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=dtype, **kw).to(cfg['device'])
+    model.max_len = cfg['max_len']
+    return model

@@ -1,0 +1,430 @@
+"""
+Turning a policy and environments into token-level trajectories, token-in/token-out.
+
+Every token of an episode gets an owner (template / prompt / policy / tool) and a turn index. Policy
+tokens are stored exactly as sampled, with the log-probability the sampler used; observations are
+encoded and appended; policy text is decoded only to hand it to the environment. Nothing sampled is
+ever re-encoded.
+
+Each turn also keeps the exact context ids the policy was conditioned on. Without memory folding the
+contexts extend one another and an episode trains as one row (its full sequence). With MemPO's
+folding (keep_tool_results=1) a turn's context is the prompt, the last <mem> span and the last
+observation, so each turn trains as its own row, scored in exactly the context it was sampled in
+(MEM1 trains on a context that differs from its rollout context; we must not).
+
+Simplifications, on purpose:
+1. Each turn re-prefills its context in one batched forward and then decodes with the KV cache. A
+   turn's prefill repeats the previous turns' tokens (one parallel pass, cheap next to decoding);
+   folded contexts change every turn anyway.
+2. The stop token the policy sampled is a policy token. A response cut at max_response_tokens stays
+   unterminated and the environment's parser rejects it, so the policy learns that it fails.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from model import position_ids_from_mask, sample_next, select_cache, sequence_log_probs
+
+OWNER = {'template': 0, 'prompt': 1, 'policy': 2, 'tool': 3}
+
+# -----------------------------------------------------------------------------
+# formats: how text becomes ids for one kind of model
+
+
+@dataclass
+class Format:
+    """How text becomes ids. prompt(text) and observation(text) return (ids, owners); a prompt ends
+    where the policy's first turn starts, an observation sits between a policy turn and the next.
+    turn_prefix is forced at the start of every policy turn (template tokens, e.g. <mem>)."""
+    prompt: Callable
+    observation: Callable
+    decode: Callable
+    encode: Callable              # only for scripted (text) policies and gold answers, never for samples
+    stop_ids: list
+    pad_id: int
+    turn_prefix: list = field(default_factory=list)
+    mem_end_id: int = None        # id that closes a memory span; None when the gym has no memory
+    fold_close: list = field(default_factory=list)  # template ids closing a folded memory turn
+
+
+def word_format(tok, memory=False):
+    """The tiny model's format: `<bos> prompt`, then per turn the policy's words (ending with its stop
+    token) and `<obs> observation </obs>`. With memory every turn is forced to open with <mem>."""
+    T, P, X = OWNER['template'], OWNER['prompt'], OWNER['tool']
+
+    def prompt(text):
+        ids = tok.encode(text)
+        return [tok.bos_id] + ids, [T] + [P] * len(ids)
+
+    def observation(text):
+        ids = tok.encode(text)
+        return [tok.obs_id] + ids + [tok.obs_end_id], [T] + [X] * len(ids) + [T]
+
+    stops = ['</search>', '</answer>'] if memory else ['</call>']
+    return Format(prompt=prompt, observation=observation, decode=tok.decode, encode=tok.encode,
+                  stop_ids=[tok.stoi[s] for s in stops], pad_id=tok.pad_id,
+                  turn_prefix=[tok.stoi['<mem>']] if memory else [],
+                  mem_end_id=tok.stoi['</mem>'] if memory else None)
+
+
+# -----------------------------------------------------------------------------
+# episodes and trajectories
+
+
+@dataclass
+class Episode:
+    env: object
+    task: object
+    group: int
+    prompt: tuple                  # (ids, owners)
+    hist: dict                     # the un-folded token log: ids, owner, turn, logp, mem
+    turns: list = field(default_factory=list)         # per turn: context (ids, owner, turn), response, logp, mem_len
+    observations: list = field(default_factory=list)  # (ids, owners) after each turn
+    texts: list = field(default_factory=list)         # prompt, then each observation, as text
+    actions: list = field(default_factory=list)       # decoded policy turns
+    done: bool = False
+    reward: float = 0.0
+    info: dict = field(default_factory=dict)
+    valid: bool = True             # False when the env raised or the reward was not a finite number
+
+
+@dataclass
+class Trajectory:
+    """One episode. ids, owner, turn [T] are the full un-folded sequence; action_mask, sample_logp and
+    mem_mask [T-1] line up with ids[1:]. rows are the training rows: one for a prefix-stable episode
+    (then identical to the full sequence), one per turn when contexts were folded."""
+    ids: torch.Tensor
+    owner: torch.Tensor
+    turn: torch.Tensor
+    action_mask: torch.Tensor
+    sample_logp: torch.Tensor
+    mem_mask: torch.Tensor
+    reward: float
+    info: dict
+    group: int
+    valid: bool
+    task: object
+    rows: list
+    turns: list
+    prompt_len: int
+
+
+def start_episode(env, task, fmt, group):
+    text = env.reset(task)
+    ids, owner = fmt.prompt(text)
+    hist = dict(ids=list(ids), owner=list(owner), turn=[-1] * len(ids), logp=[0.0] * len(ids), mem=[0] * len(ids))
+    return Episode(env, task, group, (list(ids), list(owner)), hist, texts=[text])
+
+
+def context_of(ep, fmt, keep_tool_results):
+    """The exact (ids, owners, turns) the policy is conditioned on at its next turn.
+
+    keep_tool_results='all': the whole history. An int k (MemPO uses 1): the prompt, the last <mem>
+    span as sampled, and the last k observations, rebuilt from ids (never decoded and re-encoded)."""
+    t = len(ep.turns)
+    prefix = fmt.turn_prefix
+    tail = (prefix, [OWNER['template']] * len(prefix), [t] * len(prefix))
+    if keep_tool_results == 'all' or t == 0:
+        base = (ep.hist['ids'], ep.hist['owner'], ep.hist['turn']) if t else (*ep.prompt, [-1] * len(ep.prompt[0]))
+        return [list(base[i]) + list(tail[i]) for i in range(3)]
+    ids, owner = list(ep.prompt[0]), list(ep.prompt[1])
+    turn = [-1] * len(ids)
+    last = ep.turns[-1]
+    mem = prefix + last['response'][:last['mem_len']]  # the last memory span, as sampled
+    ids += mem + fmt.fold_close
+    owner += [OWNER['template']] * len(prefix) + [OWNER['policy']] * last['mem_len'] + [OWNER['template']] * len(fmt.fold_close)
+    turn += [t - 1] * (len(mem) + len(fmt.fold_close))
+    for k in range(max(0, t - int(keep_tool_results)), t):
+        o_ids, o_owner = ep.observations[k]
+        ids, owner, turn = ids + o_ids, owner + o_owner, turn + [k] * len(o_ids)
+    return ids + tail[0], owner + tail[1], turn + tail[2]
+
+
+def finish(ep, reward, info, stop=None):
+    ep.done = True
+    ep.info = dict(info or {})
+    try:
+        ep.reward = float(reward)
+    except (TypeError, ValueError):
+        ep.reward, ep.valid = 0.0, False
+    if not math.isfinite(ep.reward):
+        ep.reward, ep.valid = 0.0, False  # a NaN reward would poison its group's mean and std
+    if not ep.valid:
+        ep.info['invalid'] = True
+    if stop is not None:
+        ep.reward, ep.info['stop'], ep.info['success'] = 0.0, stop, False
+    ep.info.setdefault('n_turns', len(ep.turns))
+
+
+def record_turn(ep, fmt, context, response, logp, cfg):
+    """Append one sampled turn to the episode, step the environment, append its observation."""
+    t = len(ep.turns)
+    mem_len = 0
+    if fmt.mem_end_id is not None and fmt.mem_end_id in response:
+        mem_len = response.index(fmt.mem_end_id) + 1  # the sampled memory through </mem>
+    ep.turns.append(dict(context=context, response=list(response), logp=list(logp), mem_len=mem_len))
+    h, n = ep.hist, len(fmt.turn_prefix)
+    h['ids'] += fmt.turn_prefix
+    h['owner'] += [OWNER['template']] * n
+    h['turn'] += [t] * n
+    h['logp'] += [0.0] * n
+    h['mem'] += [0] * n
+    h['ids'] += response
+    h['owner'] += [OWNER['policy']] * len(response)
+    h['turn'] += [t] * len(response)
+    h['logp'] += list(logp)
+    h['mem'] += [1] * mem_len + [0] * (len(response) - mem_len)
+    action = fmt.decode(response)
+    ep.actions.append(action)
+    try:
+        obs, reward, done, info = ep.env.step(action)
+    except Exception as e:  # an environment that raises invalidates its episode, not the run
+        ep.valid = False
+        return finish(ep, 0.0, {'error': f'{type(e).__name__}: {e}'}, stop='env_error')
+    if done:
+        return finish(ep, reward, info)
+    if t + 1 >= cfg['max_turns']:
+        return finish(ep, 0.0, info, stop='truncated')
+    o_ids, o_owner = fmt.observation(obs)
+    ep.observations.append((o_ids, o_owner))
+    ep.texts.append(obs)
+    h['ids'] += o_ids
+    h['owner'] += o_owner
+    h['turn'] += [t] * len(o_ids)
+    h['logp'] += [0.0] * len(o_ids)
+    h['mem'] += [0] * len(o_ids)
+
+
+def training_rows(ep):
+    """Pack the turns into training rows: a turn whose context extends the current row (prefix-stable
+    history) continues it; any other turn starts a new row. Only a row's own responses are trained:
+    a folded context also holds the previous turn's memory span, which trains in its own row."""
+    rows = []
+    for t, turn in enumerate(ep.turns):
+        c_ids, c_owner, c_turn = turn['context']
+        row = rows[-1] if rows else None
+        if row is None or len(c_ids) < len(row['ids']) or c_ids[:len(row['ids'])] != row['ids']:
+            row = dict(ids=[], owner=[], turn=[], logp=[], train=[], mem=[])
+            rows.append(row)
+        n = len(row['ids'])
+        new = len(c_ids) - n
+        row['ids'] += c_ids[n:]
+        row['owner'] += c_owner[n:]
+        row['turn'] += c_turn[n:]
+        row['logp'] += [0.0] * new
+        row['train'] += [0] * new
+        row['mem'] += [0] * new
+        r = turn['response']
+        row['ids'] += r
+        row['owner'] += [OWNER['policy']] * len(r)
+        row['turn'] += [t] * len(r)
+        row['logp'] += turn['logp']
+        row['train'] += [1] * len(r)
+        row['mem'] += [1] * turn['mem_len'] + [0] * (len(r) - turn['mem_len'])
+    out = []
+    for row in rows:
+        out.append(dict(ids=torch.tensor(row['ids']), owner=torch.tensor(row['owner']),
+                        action_mask=torch.tensor(row['train'][1:], dtype=torch.float32),
+                        sample_logp=torch.tensor(row['logp'][1:], dtype=torch.float32),
+                        turn_ids=torch.tensor(row['turn'][1:]),
+                        mem_mask=torch.tensor(row['mem'][1:], dtype=torch.float32)))
+    return out
+
+
+def make_trajectory(ep):
+    """Freeze an Episode: tensors shifted to ids[1:] in one place, so masks cannot drift by one."""
+    h = ep.hist
+    owner = torch.tensor(h['owner'])
+    contexts = [len(t['context'][0]) for t in ep.turns]
+    generated = [len(t['response']) for t in ep.turns]
+    info = dict(ep.info, actions=ep.actions, n_turns=len(ep.turns),
+                tt=sum(contexts) + sum(generated),  # tokens processed: every turn's context + response
+                pt=max((c + g for c, g in zip(contexts, generated)), default=0))  # peak context of a turn
+    return Trajectory(ids=torch.tensor(h['ids']), owner=owner, turn=torch.tensor(h['turn']),
+                      action_mask=(owner[1:] == OWNER['policy']).float(),
+                      sample_logp=torch.tensor(h['logp'][1:], dtype=torch.float32),
+                      mem_mask=torch.tensor(h['mem'][1:], dtype=torch.float32),
+                      reward=ep.reward, info=info, group=ep.group, valid=ep.valid, task=ep.task, rows=training_rows(ep),
+                      turns=ep.turns, prompt_len=len(ep.prompt[0]))
+
+
+# -----------------------------------------------------------------------------
+# sampling
+
+
+@torch.no_grad()
+def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0):
+    """Sample one response per context with a KV cache: prefill the left-padded contexts in one
+    forward, then decode token by token; rows that sampled a stop token leave the batch (and the
+    cache). contexts: list of B id lists. Returns (responses, logps): B lists of sampled ids (the stop
+    token included) and of their log-probs under the tempered sampling distribution."""
+    device = next(model.parameters()).device
+    B, L = len(contexts), max(len(c) for c in contexts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, L, dtype=torch.long)
+    for b, c in enumerate(contexts):
+        ids[b, L - len(c):] = torch.tensor(c)
+        attn[b, L - len(c):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = position_ids_from_mask(attn)
+    out = model(ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    logits, cache = out.logits[:, -1], out.past_key_values  # [B, V]
+    rows = torch.arange(B, device=device)  # which context each live batch row belongs to
+    next_pos = pos[:, -1] + 1
+    stops = torch.tensor(stop_ids, device=device)
+    steps = []  # (rows, ids, logp) per decoding step, assembled once at the end
+    for step in range(max_new_tokens):
+        tok, logp = sample_next(logits, temperature, generator)  # [B'], [B']
+        steps.append((rows, tok, logp))
+        live = ~torch.isin(tok, stops)
+        if step == max_new_tokens - 1 or not bool(live.any()):
+            break
+        if not bool(live.all()):
+            keep = live.nonzero().squeeze(1)
+            cache, attn, tok, rows, next_pos = select_cache(cache, keep), attn[keep], tok[keep], rows[keep], next_pos[keep]
+        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], 1)
+        out = model(tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache,
+                    use_cache=True)
+        logits, cache, next_pos = out.logits[:, -1], out.past_key_values, next_pos + 1
+    responses, logps = [[] for _ in range(B)], [[] for _ in range(B)]
+    for r, t, lp in steps:
+        for b, i, l in zip(r.tolist(), t.tolist(), lp.tolist()):
+            responses[b].append(i)
+            logps[b].append(l)
+    return responses, logps
+
+
+def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, temperature=None):
+    """Run len(tasks) episodes in lockstep -> list of Trajectory.
+
+    policy is a model (sampled with its KV cache at cfg['temperature'], or `temperature` if given) or
+    a list of scripted text policies, one per episode: functions (episode) -> action text, encoded
+    through the same token path with log-prob 0. cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
+    whose next context plus a full response would exceed max_len, or that uses max_turns turns, ends
+    'truncated' with reward 0."""
+    temperature = cfg['temperature'] if temperature is None else temperature
+    groups = groups if groups is not None else list(range(len(tasks)))
+    eps = [start_episode(env, task, fmt, g) for env, task, g in zip(envs, tasks, groups)]
+    while True:
+        active, contexts = [], []
+        for i, ep in enumerate(eps):
+            if ep.done:
+                continue
+            ctx = context_of(ep, fmt, cfg['keep_tool_results'])
+            if len(ctx[0]) + cfg['max_response_tokens'] > cfg['max_len']:
+                finish(ep, 0.0, {}, stop='truncated')
+                continue
+            active.append(i)
+            contexts.append(ctx)
+        if not active:
+            break
+        if isinstance(policy, torch.nn.Module):
+            responses, logps = generate(policy, [c[0] for c in contexts], fmt.stop_ids, cfg['max_response_tokens'],
+                                        temperature, generator, fmt.pad_id)
+        else:
+            responses = [fmt.encode(policy[i](eps[i]))[:cfg['max_response_tokens']] for i in active]
+            logps = [[0.0] * len(r) for r in responses]
+        for i, ctx, r, lp in zip(active, contexts, responses, logps):
+            record_turn(eps[i], fmt, ctx, r, lp, cfg)
+    return [make_trajectory(ep) for ep in eps]
+
+
+# -----------------------------------------------------------------------------
+# collate
+
+
+def pad_stack(rows, length, value):
+    """Right-pad 1-D tensors to `length` -> [B, length]."""
+    out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def collate(trajs, pad_id):
+    """Pad the training rows of trajectories into a batch.
+
+    Returns ids, attention_mask [R, L]; action_mask, sample_logp, turn_ids, mem_mask [R, L-1] (aligned
+    to ids[:, 1:], padding 0 / turn -1); row_episode [R] (index into trajs); rewards, group_ids,
+    valid [N] per episode. R >= N: a folded episode has one row per turn."""
+    rows = [(n, r) for n, t in enumerate(trajs) for r in t.rows]
+    L = max(len(r['ids']) for _, r in rows)
+    return dict(
+        ids=pad_stack([r['ids'] for _, r in rows], L, pad_id),
+        attention_mask=pad_stack([torch.ones(len(r['ids']), dtype=torch.long) for _, r in rows], L, 0),
+        action_mask=pad_stack([r['action_mask'] for _, r in rows], L - 1, 0.0),
+        sample_logp=pad_stack([r['sample_logp'] for _, r in rows], L - 1, 0.0),
+        turn_ids=pad_stack([r['turn_ids'] for _, r in rows], L - 1, -1),
+        mem_mask=pad_stack([r['mem_mask'] for _, r in rows], L - 1, 0.0),
+        row_episode=torch.tensor([n for n, _ in rows]),
+        rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        group_ids=torch.tensor([t.group for t in trajs]),
+        valid=torch.tensor([t.valid for t in trajs]),
+    )
+
+
+# -----------------------------------------------------------------------------
+# MemPO's memory reward
+
+
+def answer_pieces(fmt, answer_text, open_tag='<answer>', close_tag='</answer>'):
+    """Ids of a gold answer as the policy writes it, and a 0/1 list marking the answer's own tokens
+    (the tags are not scored). answer_text is e.g. '<answer> a1 ; a2 </answer>'."""
+    inner = answer_text.strip()[len(open_tag):-len(close_tag)] if answer_text.strip().startswith(open_tag) else answer_text
+    o, c, a = fmt.encode(open_tag), fmt.encode(close_tag), fmt.encode(inner)
+    return o + a + c, [0] * len(o) + [1] * len(a) + [0] * len(c)
+
+
+@torch.no_grad()
+def memory_rewards(model, trajs, fmt, answers, cfg):
+    """MemPO's memory reward (arXiv 2603.00680; our notes §1.3.1) for every turn t >= 2:
+    mem_reward_t = P_mem_t - P_full_t, with P = exp(mean log p(gold answer tokens | context)),
+      P_full_t: context = the full un-folded history before turn t, then turn t's <mem> span;
+      P_mem_t:  context = the prompt, then turn t's <mem> span.
+    Both end with the same memory span, so the answer sits where the policy would write it, and the
+    difference is what the dropped history still knew that the memory did not carry. No gradient.
+    answers: the gold answer text per trajectory. Returns (mem_rewards [N, K], turn_valid [N, K]);
+    turns without a closed memory span or whose full context exceeds max_len are not valid."""
+    K = max(len(t.turns) for t in trajs)
+    mem_r = torch.zeros(len(trajs), K)
+    valid = torch.zeros(len(trajs), K, dtype=torch.bool)
+    seqs, where = [], []
+    for n, t in enumerate(trajs):
+        ans_ids, ans_mask = answer_pieces(fmt, answers[n])
+        hist = t.ids.tolist()
+        turn = t.turn.tolist()
+        for k in range(1, len(t.turns)):
+            tr = t.turns[k]
+            if tr['mem_len'] == 0:
+                continue
+            mem = fmt.turn_prefix + tr['response'][:tr['mem_len']]
+            before = hist[:turn.index(k)]  # everything before turn k's forced prefix
+            full = before + mem
+            if len(full) + len(ans_ids) > cfg['max_len']:
+                continue
+            seqs += [(full, ans_ids, ans_mask), (hist[:t.prompt_len] + mem, ans_ids, ans_mask)]
+            where.append((n, k))
+    if not seqs:
+        return mem_r, valid
+    probs = []
+    dev = cfg['device']
+    for s in range(0, len(seqs), 64):
+        chunk = seqs[s:s + 64]
+        L = max(len(c) + len(a) for c, a, _ in chunk)
+        ids = torch.full((len(chunk), L), fmt.pad_id, dtype=torch.long)
+        attn = torch.zeros(len(chunk), L, dtype=torch.long)
+        score = torch.zeros(len(chunk), L - 1)
+        for i, (c, a, am) in enumerate(chunk):
+            ids[i, :len(c) + len(a)] = torch.tensor(c + a)
+            attn[i, :len(c) + len(a)] = 1
+            score[i, len(c) - 1:len(c) - 1 + len(a)] = torch.tensor(am, dtype=torch.float32)  # column j scores token j+1
+        logp = sequence_log_probs(model, ids.to(dev), attn.to(dev)).float().cpu()  # [b, L-1]
+        probs.append(torch.exp((logp * score).sum(1) / score.sum(1).clamp(min=1)))
+    probs = torch.cat(probs).view(-1, 2)  # [pairs, (full, mem)]
+    for (n, k), (p_full, p_mem) in zip(where, probs.tolist()):
+        mem_r[n, k] = p_mem - p_full
+        valid[n, k] = True
+    return mem_r, valid

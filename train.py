@@ -1,0 +1,560 @@
+"""
+Train a language-model agent with multi-turn RL: rollout -> rewards -> advantages -> PPO.
+
+    python train.py config/tiny.yaml --steps=50 --seed=2
+
+One training step, top to bottom (see main()):
+ 1. draw batch_size tasks, repeat each group_size times (one group id per task)
+ 2. rollout: batched, token-in/token-out, KV cache (rollout.py)
+ 3. rewards from the gym; MemPO memory rewards P_mem - P_full for turns >= 2 (rollout.py)
+ 4. advantages: GRPO per group + memory advantage on <mem> tokens (advantage.py)
+ 5. reference log-probs from the frozen starting policy (when kl_coef > 0)
+ 6. PPO: ppo_epochs over shuffled mini-batches, clipped surrogate + KL, exact loss normalisation
+ 7. log one JSON line, evaluate every eval_every steps, checkpoint every save_every steps
+
+Simplifications, on purpose:
+1. No value model: GRPO's group baseline replaces it (no GAE, no bootstrapping at truncation;
+   truncated episodes get reward 0 and are counted in truncation_rate).
+2. The old log-probs are the sampler's own (exact in float32, checked every step as logp_gap_max on
+   the first mini-batch, before any update), so no separate old-policy forward pass runs.
+3. The warm start is plain cross-entropy on the policy tokens of scripted episodes.
+"""
+
+import copy
+import difflib
+import glob
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from advantage import grpo_advantage, memory_advantage, token_advantages
+from model import count_params, load_policy, sequence_log_probs
+from rollout import collate, memory_rewards, rollout_batch, word_format
+
+# -----------------------------------------------------------------------------
+# config: every default in one place; a YAML file overrides it; --key=value overrides the file
+
+config = dict(
+    # run
+    gym='bugfix',                # bugfix | memory | searchqa | quixbugs
+    seed=1337,
+    device='cpu',
+    dtype='float32',             # float32 | bfloat16 (autocast on CUDA)
+    threads=0,                   # torch CPU threads; 0 = torch's default
+    out_dir='out',
+    resume=False,
+    compile=False,               # torch.compile the policy (CUDA)
+    # model
+    model='tiny',                # tiny | a Hugging Face name or path
+    gguf_file='',
+    n_layer=2, n_head=4, n_embd=128, max_len=256,
+    grad_checkpointing=False,
+    # rollout
+    max_turns=12,
+    max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
+    temperature=1.0,
+    keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
+    # gym sizes
+    train_tasks=0,               # 0 = the gym's default
+    eval_tasks=0,
+    eval_samples=4,              # sampled episodes per held-out task at each evaluation
+    # warm start (SFT on scripted episodes)
+    warmstart_episodes=512,
+    warmstart_steps=200,
+    warmstart_lr=3e-3,
+    warmstart_batch_size=32,
+    # RL
+    steps=100,
+    batch_size=8,                # tasks per step
+    group_size=8,                # rollouts per task
+    lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,
+    warmup_steps=5,
+    grad_clip=1.0,
+    ppo_epochs=1,
+    mini_batches=2,              # mini-batches per epoch (each an optimizer step)
+    clip_low=0.2, clip_high=0.28,
+    kl_coef=0.0,
+    kl_type='k3',                # k1 | k2 | k3
+    loss_agg='token-mean',       # token-mean | seq-mean | drgrpo
+    adv_std=True,                # divide by the group std (False: Dr.GRPO's r - mean)
+    adv_eps=1e-6,
+    mem_coef=0.0,                # weight of MemPO's memory advantage on <mem> tokens
+    max_tokens_per_microbatch=16384,
+    max_bad_steps=3,
+    # logging
+    eval_every=25,
+    save_every=25,
+    keep_checkpoints=2,
+)
+TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
+
+
+def fail(msg):
+    print(f'error: {msg}', file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_value(key, raw, default):
+    """Parse --key=value by the default's type; bools accept true/false/1/0."""
+    if isinstance(default, bool):
+        if raw.lower() in ('true', '1', 'yes'):
+            return True
+        if raw.lower() in ('false', '0', 'no'):
+            return False
+        fail(f'--{key}={raw}: expected true or false')
+    try:
+        return yaml.safe_load(raw) if not isinstance(default, str) else raw
+    except yaml.YAMLError:
+        fail(f'--{key}={raw}: cannot parse the value')
+
+
+def check_key(key, value, cfg):
+    if key not in cfg:
+        close = difflib.get_close_matches(key, list(cfg), n=1)
+        fail(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
+    default = cfg[key]
+    ok_types = TYPES.get(key, (type(default),))
+    if isinstance(value, bool) and bool not in ok_types:
+        ok = False
+    elif float in ok_types and isinstance(value, int):
+        ok = True
+    else:
+        ok = isinstance(value, ok_types)
+    if not ok:
+        fail(f"config key '{key}' expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
+    return float(value) if float in ok_types and not isinstance(value, bool) else value
+
+
+def load_config(argv, defaults=config):
+    """defaults <- YAML files <- --key=value, in order; every value type-checked against the default.
+    Any error exits with status 2 and one line naming the key or file."""
+    cfg = dict(defaults)
+    for arg in argv:
+        if arg.startswith('--'):
+            key, eq, raw = arg[2:].partition('=')
+            if not eq:
+                fail(f"'{arg}': write --key=value")
+            if key not in cfg:
+                check_key(key, None, cfg)
+            cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
+        else:
+            if not os.path.isfile(arg):
+                fail(f'config file not found: {arg}')
+            try:
+                with open(arg) as f:
+                    loaded = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                fail(f'cannot parse YAML file {arg}: {str(e).splitlines()[0]}')
+            if not isinstance(loaded, dict):
+                fail(f'config file {arg} must hold a mapping of keys to values')
+            for key, value in loaded.items():
+                cfg[key] = check_key(key, value, cfg)
+    ktr = cfg['keep_tool_results']
+    if not (ktr == 'all' or (isinstance(ktr, int) and ktr >= 1) or (isinstance(ktr, str) and ktr.isdigit())):
+        fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
+    cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
+    for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
+                         ('dtype', ('float32', 'bfloat16'))]:
+        if cfg[key] not in allowed:
+            fail(f"config key '{key}' must be one of {', '.join(allowed)}, got {cfg[key]!r}")
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# gyms: what train.py needs from each
+
+
+def setup_gym(cfg):
+    """Returns a dict: tok, fmt, train_tasks, eval_tasks, make_env(), warm_policy(rng) -> text policy,
+    baselines {name: exact held-out success}, answer_text(task) (memory gyms)."""
+    if cfg['gym'] == 'bugfix':
+        import gym
+        train_tasks, eval_tasks = gym.make_tasks('train'), gym.make_tasks('heldout')
+        tok = gym.build_tokenizer(gym.bugfix_texts(train_tasks + eval_tasks))
+        gym.precompute_results(train_tasks + eval_tasks)
+        return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks,
+                    make_env=gym.BugFixEnv, baselines=gym.reference_baselines(eval_tasks),
+                    warm_policy=lambda rng: episode_policy(gym.scripted_policy('warmstart', rng.randrange(1 << 30))))
+    if cfg['gym'] == 'memory':
+        import gym
+        import gym_memory as gm
+        train_tasks = gm.make_tasks('train', cfg['train_tasks'] or 2000, seed=cfg['seed'])
+        eval_tasks = gm.make_tasks('heldout', cfg['eval_tasks'] or 96, seed=cfg['seed'])
+        tok = gym.build_tokenizer(gm.memory_texts())
+        return dict(tok=tok, fmt=word_format(tok, memory=True), train_tasks=train_tasks, eval_tasks=eval_tasks,
+                    make_env=gm.MemoryEnv, baselines={}, answer_text=gm.gold_answer_text,
+                    warm_policy=lambda rng: folded_policy(gm.oracle_policy))
+    fail(f"unknown gym '{cfg['gym']}' (bugfix, memory)")
+
+
+def episode_policy(policy):
+    """Adapt a text policy over the list of observations (prompt first) to rollout's (episode) -> text."""
+    return lambda ep: policy(ep.texts)
+
+
+def folded_policy(policy):
+    """Adapt a memory policy (question, last mem, last obs) -> text to rollout's (episode) -> text."""
+    import gym_memory as gm
+
+    def act(ep):
+        mem = gm.extract_mem('<mem> ' + ep.actions[-1]) if ep.actions else None
+        return policy(ep.texts[0], mem, ep.texts[-1] if ep.actions else None)
+    return act
+
+
+# -----------------------------------------------------------------------------
+# PPO maths
+
+
+def kl_penalty(logp, ref_logp, kl_type):
+    """Per-token KL estimate of the policy from the reference (Schulman 2020, "Approximating KL
+    divergence"): k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logp - ref.
+    The log-ratio is clamped to [-20, 20] so k3 cannot overflow."""
+    log_ratio = (logp - ref_logp).clamp(-20, 20)
+    if kl_type == 'k1':
+        return log_ratio
+    if kl_type == 'k2':
+        return 0.5 * log_ratio ** 2
+    return torch.exp(-log_ratio) + log_ratio - 1
+
+
+def loss_weights(action_mask, row_episode, loss_agg, n_episodes, max_episode_tokens):
+    """Per-token weights [R, T-1] whose weighted sum is the mini-batch loss. Computed once per
+    mini-batch, before it is split into micro-batches, so the gradient cannot depend on the split.
+    token-mean: 1 / (policy tokens in the mini-batch); seq-mean: 1 / (tokens of the token's episode x
+    episodes); drgrpo: 1 / (max_episode_tokens x episodes), Dr.GRPO's constant (Liu et al. 2025 §3.1)."""
+    if loss_agg == 'token-mean':
+        return action_mask / action_mask.sum().clamp(min=1)
+    if loss_agg == 'seq-mean':
+        per_ep = torch.zeros(int(row_episode.max()) + 1).index_add_(0, row_episode, action_mask.sum(1))
+        return action_mask / (per_ep[row_episode].clamp(min=1)[:, None] * n_episodes)
+    return action_mask / (max_episode_tokens * n_episodes)
+
+
+def micro_batches(lengths, budget):
+    """Split row indices into micro-batches of at most `budget` padded tokens, sorted by length so
+    rows of similar length share a batch (less padding). Returns a list of index lists."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out, cur, longest = [], [], 0
+    for i in order:
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    return out + [cur] if cur else out
+
+
+# -----------------------------------------------------------------------------
+# the pieces of one step
+
+
+def rollout_step(model, gym_, cfg, tasks, rng, gen, temperature=None):
+    """Episodes for `tasks`, each repeated group_size times; group id = index of the task."""
+    reps = [(g, t) for g, t in enumerate(tasks) for _ in range(cfg['group_size'])]
+    envs = [gym_['make_env']() for _ in reps]
+    model.eval()
+    trajs = rollout_batch(model, gym_['fmt'], envs, [t for _, t in reps], cfg, groups=[g for g, _ in reps],
+                          generator=gen, temperature=temperature)
+    return trajs
+
+
+def compute_advantages(model, gym_, cfg, trajs, batch):
+    """Outcome advantage per episode, plus MemPO's memory advantage on <mem> tokens. [R, T-1]."""
+    out = grpo_advantage(batch['rewards'], batch['group_ids'], batch['valid'], cfg['adv_std'], cfg['adv_eps'])
+    stats = {}
+    mem_adv = None
+    if cfg['mem_coef'] and 'answer_text' in gym_:
+        answers = [gym_['answer_text'](t.task) for t in trajs]
+        mem_r, turn_valid = memory_rewards(model, trajs, gym_['fmt'], answers, cfg)
+        mem_adv = memory_advantage(mem_r, turn_valid, batch['group_ids'], cfg['adv_eps'])
+        n = turn_valid.sum().clamp(min=1)
+        stats = dict(mem_reward_mean=float((mem_r * turn_valid).sum() / n),
+                     mem_adv_abs_mean=float((mem_adv.abs() * turn_valid).sum() / n))
+    adv = token_advantages(out, batch['row_episode'], batch['action_mask'], mem_adv, batch['mem_mask'],
+                           batch['turn_ids'], cfg['mem_coef'])
+    return adv, stats
+
+
+@torch.no_grad()
+def reference_log_probs(ref_model, batch, cfg):
+    """Log-probs [R, T-1] of the frozen reference, in token-budget micro-batches."""
+    out = torch.zeros_like(batch['sample_logp'])
+    lengths = batch['attention_mask'].sum(1).tolist()
+    for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
+        L = max(lengths[i] for i in mb)
+        out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
+                                             batch['attention_mask'][mb, :L].to(cfg['device']),
+                                             cfg['temperature']).float().cpu()
+    return out
+
+
+def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng):
+    """ppo_epochs passes over shuffled mini-batches of episodes; one optimizer step per mini-batch.
+    Returns the step's metrics; raises nothing on a non-finite loss (the step is skipped and counted)."""
+    dev = cfg['device']
+    n_ep = len(batch['rewards'])
+    mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # invalid episodes weigh 0
+    lengths = batch['attention_mask'].sum(1).tolist()
+    max_ep_tokens = cfg['max_turns'] * cfg['max_response_tokens']
+    m = dict(clip_frac=0.0, kl=0.0, entropy=0.0, loss=0.0, grad_norm=0.0, logp_gap_max=0.0,
+             ratio_dev_first_minibatch=0.0, bad_steps=0)
+    n_tok = 0.0
+    first = True
+    model.train()
+    for epoch in range(cfg['ppo_epochs']):
+        order = list(range(n_ep))
+        rng.shuffle(order)
+        for mb_eps in [order[i::cfg['mini_batches']] for i in range(cfg['mini_batches'])]:
+            rows = torch.nonzero(torch.isin(batch['row_episode'], torch.tensor(mb_eps))).squeeze(1)
+            w = loss_weights(mask[rows], batch['row_episode'][rows], cfg['loss_agg'], len(mb_eps), max_ep_tokens)
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
+                r = rows[mb]
+                L = max(lengths[i] for i in r.tolist())
+                ids, attn = batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev)
+                am, old = mask[r, :L - 1].to(dev), batch['sample_logp'][r, :L - 1].to(dev)
+                a, wt = adv[r, :L - 1].to(dev), w[mb, :L - 1].to(dev)
+                with autocast(cfg):
+                    logp, ent = sequence_log_probs(model, ids, attn, cfg['temperature'], with_entropy=True)
+                ratio = torch.exp(logp - old)
+                surr = torch.min(ratio * a, ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high']) * a)
+                loss_tok = -surr
+                if ref_logp is not None:
+                    kl = kl_penalty(logp, ref_logp[r, :L - 1].to(dev), cfg['kl_type'])
+                    loss_tok = loss_tok + cfg['kl_coef'] * kl
+                    m['kl'] += float((kl.detach() * am).sum())
+                loss = (loss_tok * wt).sum()
+                loss.backward()
+                total += float(loss)
+                with torch.no_grad():
+                    pol = am.bool()
+                    clipped = ((ratio < 1 - cfg['clip_low']) & (a < 0)) | ((ratio > 1 + cfg['clip_high']) & (a > 0))
+                    m['clip_frac'] += float((clipped & pol).sum())
+                    m['entropy'] += float((ent * am).sum())
+                    n_tok += float(am.sum())
+                    if first and pol.any():  # before any optimizer step: the sampler's log-probs must match
+                        gap = float((logp - old).abs()[pol].max())
+                        m['logp_gap_max'] = max(m['logp_gap_max'], gap)
+                        m['ratio_dev_first_minibatch'] = max(m['ratio_dev_first_minibatch'],
+                                                             float((ratio - 1).abs()[pol].max()))
+            first = False
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip']))
+            if not (math.isfinite(total) and math.isfinite(grad_norm)):
+                m['bad_steps'] += 1  # a non-finite loss never reaches the weights
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.step()
+            m['loss'] += total / (cfg['ppo_epochs'] * cfg['mini_batches'])
+            m['grad_norm'] = max(m['grad_norm'], grad_norm)
+    for k in ('clip_frac', 'kl', 'entropy'):  # means over the policy tokens of all updates
+        m[k] /= max(n_tok, 1.0)
+    if ref_logp is None:
+        m['kl'] = None
+    return m
+
+
+def autocast(cfg):
+    if cfg['device'].startswith('cuda') and cfg['dtype'] == 'bfloat16':
+        return torch.autocast('cuda', dtype=torch.bfloat16)
+    return torch.autocast('cpu', enabled=False)
+
+
+# -----------------------------------------------------------------------------
+# evaluation and warm start
+
+
+@torch.no_grad()
+def evaluate(model, gym_, cfg, gen):
+    """Held-out success: greedy (one episode per task) and sampled (eval_samples per task)."""
+    tasks = gym_['eval_tasks']
+    out = {}
+    for name, temp, reps in [('greedy', 0.0, 1), ('sampled', cfg['temperature'], cfg['eval_samples'])]:
+        ecfg = dict(cfg, group_size=reps)
+        trajs = rollout_step(model, gym_, ecfg, tasks, None, gen, temperature=temp)
+        out[f'eval_{name}_success'] = sum(bool(t.info.get('success')) for t in trajs) / len(trajs)
+        if name == 'sampled':
+            out['eval_success_rate'] = out['eval_sampled_success']
+            out['eval_reward_mean'] = sum(t.reward for t in trajs) / len(trajs)
+            out.update(episode_stats(trajs, 'eval_'))
+    return out
+
+
+def episode_stats(trajs, prefix=''):
+    """EM/F1/TT/PT means (memory gyms) overall and per number of objectives k."""
+    out = {}
+    if 'em' not in trajs[0].info:
+        return out
+    by_k = {}
+    for t in trajs:
+        by_k.setdefault(t.info.get('k', 1), []).append(t)
+    for suffix, ts in [('', trajs)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
+        for key in ('em', 'f1', 'tt', 'pt'):
+            out[f'{prefix}{key}{suffix}'] = sum(float(t.info.get(key, 0.0)) for t in ts) / len(ts)
+    return out
+
+
+def warm_start(model, gym_, cfg, rng):
+    """Cross-entropy on the policy tokens of scripted episodes (tool and template tokens excluded)."""
+    n = cfg['warmstart_episodes']
+    if n == 0 or cfg['warmstart_steps'] == 0:
+        return None
+    tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
+    policies = [gym_['warm_policy'](rng) for _ in range(n)]
+    trajs = rollout_batch(policies, gym_['fmt'], [gym_['make_env']() for _ in tasks], tasks, cfg)
+    batch = collate(trajs, gym_['fmt'].pad_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
+    model.train()
+    R = len(batch['ids'])
+    losses = []
+    for it in range(cfg['warmstart_steps']):
+        idx = torch.tensor([rng.randrange(R) for _ in range(cfg['warmstart_batch_size'])])
+        L = int(batch['attention_mask'][idx].sum(1).max())
+        am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
+        logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
+                                  batch['attention_mask'][idx, :L].to(cfg['device']))
+        loss = -(logp * am).sum() / am.sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+        opt.step()
+        losses.append(float(loss))
+    return sum(losses[-10:]) / len(losses[-10:])
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+
+def save_checkpoint(state, out_dir, step, keep):
+    """Write ckpt_<step>.pt atomically (temporary file, then rename) and keep the newest `keep`."""
+    path = os.path.join(out_dir, f'ckpt_{step:06d}.pt')
+    tmp = path + '.tmp'
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    for old in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')))[:-keep]:
+        os.remove(old)
+    return path
+
+
+def load_latest_checkpoint(out_dir):
+    """The newest checkpoint in out_dir that loads; a corrupt one is reported and skipped.
+    Returns (state, path) or (None, None) when there is none."""
+    for path in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')), reverse=True):
+        try:
+            state = torch.load(path, map_location='cpu', weights_only=False)
+            if not isinstance(state, dict) or 'model' not in state:
+                raise ValueError('not a nanoagent checkpoint')
+            return state, path
+        except Exception as e:
+            print(f'checkpoint {path} is corrupt ({type(e).__name__}); trying the previous one', file=sys.stderr)
+    return None, None
+
+
+def rng_state(rng, gen):
+    return dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gen.get_state())
+
+
+def set_rng_state(state, rng, gen):
+    rng.setstate(state['python'])
+    torch.set_rng_state(state['torch'])
+    gen.set_state(state['gen'])
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv):
+    cfg = load_config(argv)
+    print(json.dumps(cfg, indent=None))
+    if cfg['threads']:
+        torch.set_num_threads(cfg['threads'])
+    os.makedirs(cfg['out_dir'], exist_ok=True)
+    random.seed(cfg['seed'])
+    torch.manual_seed(cfg['seed'])
+    rng = random.Random(cfg['seed'])
+    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
+
+    gym_ = setup_gym(cfg)
+    model = load_policy(cfg, gym_['tok'].vocab_size)
+    print(f"policy: {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters, gym {cfg['gym']}: "
+          f"{len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks")
+    metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
+    state, ckpt_path = load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
+    start = 0
+    if state is None:
+        t0 = time.time()
+        sft_loss = warm_start(model, gym_, cfg, rng)
+        if sft_loss is not None:
+            print(f'warm start: {cfg["warmstart_steps"]} steps, final loss {sft_loss:.3f}, {time.time() - t0:.0f}s')
+        ref_model = copy.deepcopy(model).eval() if cfg['kl_coef'] else None
+        with open(metrics_path, 'w') as f:  # step 0: the warm-started policy, before any RL
+            f.write(json.dumps(dict(step=0, **evaluate(model, gym_, cfg, gen),
+                                    **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})) + '\n')
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
+                            weight_decay=cfg['weight_decay'])
+    if state is not None:
+        model.load_state_dict(state['model'])
+        opt.load_state_dict(state['optimizer'])
+        ref_model = None
+        if cfg['kl_coef']:
+            ref_model = copy.deepcopy(model).eval()
+            ref_model.load_state_dict(state['ref_model'])
+        set_rng_state(state['rng'], rng, gen)
+        start = state['step']
+        # metrics logged after the checkpoint belong to steps that will run again
+        lines = [l for l in open(metrics_path) if json.loads(l)['step'] <= start] if os.path.exists(metrics_path) else []
+        open(metrics_path, 'w').writelines(lines)
+        print(f'resumed from {ckpt_path} at step {start}')
+    metrics_file = open(metrics_path, 'a')
+    json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
+
+    bad_steps = 0
+    for step in tqdm(range(start + 1, cfg['steps'] + 1), initial=start, total=cfg['steps'], disable=None):
+        t0 = time.time()
+        lr = cfg['lr'] * min(1.0, step / max(1, cfg['warmup_steps']))
+        for g in opt.param_groups:
+            g['lr'] = lr
+        log = dict(step=step, lr=lr)
+        tasks = [rng.choice(gym_['train_tasks']) for _ in range(cfg['batch_size'])]
+        trajs = rollout_step(model, gym_, cfg, tasks, rng, gen)
+        batch = collate(trajs, gym_['fmt'].pad_id)
+        adv, mem_stats = compute_advantages(model, gym_, cfg, trajs, batch)
+        ref_logp = reference_log_probs(ref_model, batch, cfg) if ref_model is not None else None
+        m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng)
+        n = len(trajs)
+        log.update(reward_mean=sum(t.reward for t in trajs) / n,
+                   success_rate=sum(bool(t.info.get('success')) for t in trajs) / n,
+                   truncation_rate=sum(t.info.get('stop') == 'truncated' for t in trajs) / n,
+                   invalid_episodes=sum(not t.valid for t in trajs),
+                   turns_mean=sum(t.info['n_turns'] for t in trajs) / n,
+                   mem_tokens_mean=float(batch['mem_mask'].sum()) / n,
+                   **mem_stats, **m)
+        bad_steps = bad_steps + 1 if m['bad_steps'] else 0
+        dt = time.time() - t0
+        log.update(step_time_s=dt, tokens_per_s=sum(t.info['tt'] for t in trajs) / dt)
+        if step == cfg['steps'] or (cfg['eval_every'] and step % cfg['eval_every'] == 0):
+            log.update(evaluate(model, gym_, cfg, gen))
+            log.update({f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
+        metrics_file.write(json.dumps(log) + '\n')
+        metrics_file.flush()
+        if bad_steps >= cfg['max_bad_steps']:
+            print(f'stopping: {bad_steps} steps in a row had a non-finite loss (max_bad_steps)', file=sys.stderr)
+            sys.exit(1)
+        if step == cfg['steps'] or (cfg['save_every'] and step % cfg['save_every'] == 0):
+            save_checkpoint(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
+                                 rng=rng_state(rng, gen),
+                                 ref_model=ref_model.state_dict() if ref_model is not None else None),
+                            cfg['out_dir'], step, cfg['keep_checkpoints'])
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
