@@ -225,13 +225,15 @@ def kl_penalty(logp, ref_logp, kl_type):
     return torch.exp(-log_ratio) + log_ratio - 1
 
 
-def loss_weights(action_mask, row_episode, loss_agg, n_episodes, max_episode_tokens):
+def loss_weights(action_mask, row_episode, loss_agg, n_episodes, max_episode_tokens, n_tokens=None):
     """Per-token weights [R, T-1] whose weighted sum is the mini-batch loss. Computed once per
     mini-batch, before it is split into micro-batches, so the gradient cannot depend on the split.
-    token-mean: 1 / (policy tokens in the mini-batch); seq-mean: 1 / (tokens of the token's episode x
-    episodes); drgrpo: 1 / (max_episode_tokens x episodes), Dr.GRPO's constant (Liu et al. 2025 §3.1)."""
+    token-mean: 1 / (policy tokens in the mini-batch, n_tokens: all ranks'); seq-mean: 1 / (policy
+    tokens of the token's episode x episodes); drgrpo: 1 / (max_episode_tokens x episodes), Dr.GRPO's
+    constant normaliser (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1)."""
     if loss_agg == 'token-mean':
-        return action_mask / action_mask.sum().clamp(min=1)
+        n_tokens = float(action_mask.sum()) if n_tokens is None else n_tokens
+        return action_mask / max(n_tokens, 1.0)
     if loss_agg == 'seq-mean':
         per_ep = torch.zeros(int(row_episode.max()) + 1).index_add_(0, row_episode, action_mask.sum(1))
         return action_mask / (per_ep[row_episode].clamp(min=1)[:, None] * n_episodes)
@@ -256,14 +258,14 @@ def micro_batches(lengths, budget):
 # the pieces of one step
 
 
-def rollout_step(model, gym_, cfg, tasks, rng, gen, temperature=None):
-    """Episodes for `tasks`, each repeated group_size times; group id = index of the task."""
-    reps = [(g, t) for g, t in enumerate(tasks) for _ in range(cfg['group_size'])]
+def rollout_step(model, gym_, cfg, tasks, gen, temperature=None, group_ids=None):
+    """Episodes for `tasks`, each repeated group_size times; group id = group_ids[i] (default i)."""
+    group_ids = group_ids if group_ids is not None else range(len(tasks))
+    reps = [(g, t) for g, t in zip(group_ids, tasks) for _ in range(cfg['group_size'])]
     envs = [gym_['make_env']() for _ in reps]
     model.eval()
-    trajs = rollout_batch(model, gym_['fmt'], envs, [t for _, t in reps], cfg, groups=[g for g, _ in reps],
-                          generator=gen, temperature=temperature)
-    return trajs
+    return rollout_batch(model, gym_['fmt'], envs, [t for _, t in reps], cfg, groups=[g for g, _ in reps],
+                         generator=gen, temperature=temperature)
 
 
 def compute_advantages(model, gym_, cfg, trajs, batch):
@@ -296,25 +298,35 @@ def reference_log_probs(ref_model, batch, cfg):
     return out
 
 
-def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng):
+def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None):
     """ppo_epochs passes over shuffled mini-batches of episodes; one optimizer step per mini-batch.
-    Returns the step's metrics; raises nothing on a non-finite loss (the step is skipped and counted)."""
+
+    batch: collate() of this process's episodes; adv [R, T-1]; ref_logp [R, T-1] or None.
+    Data parallel (torchrun): each rank holds whole groups; episode_ids [N] are their indices in the
+    global batch of n_global episodes. Every rank shuffles the global indices with the same rng, so
+    all ranks agree on each mini-batch; loss normalisers are global and gradients are summed across
+    ranks, so N ranks compute exactly the update of one process on the global batch.
+    A non-finite loss or gradient skips that optimizer step (counted in bad_steps). Returns metrics."""
     dev = cfg['device']
-    n_ep = len(batch['rewards'])
+    n_local = len(batch['rewards'])
+    episode_ids = torch.arange(n_local) if episode_ids is None else episode_ids
+    n_global = n_global or n_local
     mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # invalid episodes weigh 0
+    row_global = episode_ids[batch['row_episode']]  # [R]
     lengths = batch['attention_mask'].sum(1).tolist()
     max_ep_tokens = cfg['max_turns'] * cfg['max_response_tokens']
-    m = dict(clip_frac=0.0, kl=0.0, entropy=0.0, loss=0.0, grad_norm=0.0, logp_gap_max=0.0,
-             ratio_dev_first_minibatch=0.0, bad_steps=0)
-    n_tok = 0.0
+    sums = dict(clip_frac=0.0, kl=0.0, entropy=0.0, tokens=0.0, loss=0.0)
+    m = dict(grad_norm=0.0, logp_gap_max=0.0, ratio_dev_first_minibatch=0.0, bad_steps=0)
     first = True
     model.train()
     for epoch in range(cfg['ppo_epochs']):
-        order = list(range(n_ep))
+        order = list(range(n_global))
         rng.shuffle(order)
         for mb_eps in [order[i::cfg['mini_batches']] for i in range(cfg['mini_batches'])]:
-            rows = torch.nonzero(torch.isin(batch['row_episode'], torch.tensor(mb_eps))).squeeze(1)
-            w = loss_weights(mask[rows], batch['row_episode'][rows], cfg['loss_agg'], len(mb_eps), max_ep_tokens)
+            rows = torch.nonzero(torch.isin(row_global, torch.tensor(mb_eps))).squeeze(1)
+            n_tokens = all_reduce(float(mask[rows].sum()))
+            w = loss_weights(mask[rows], batch['row_episode'][rows], cfg['loss_agg'], len(mb_eps), max_ep_tokens,
+                             n_tokens)
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
@@ -325,41 +337,87 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng):
                 a, wt = adv[r, :L - 1].to(dev), w[mb, :L - 1].to(dev)
                 with autocast(cfg):
                     logp, ent = sequence_log_probs(model, ids, attn, cfg['temperature'], with_entropy=True)
-                ratio = torch.exp(logp - old)
+                ratio = torch.exp(logp - old)  # [b, L-1]; old = the sampler's log-probs, no gradient
                 surr = torch.min(ratio * a, ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high']) * a)
                 loss_tok = -surr
                 if ref_logp is not None:
                     kl = kl_penalty(logp, ref_logp[r, :L - 1].to(dev), cfg['kl_type'])
                     loss_tok = loss_tok + cfg['kl_coef'] * kl
-                    m['kl'] += float((kl.detach() * am).sum())
+                    sums['kl'] += float((kl.detach() * am).sum())
                 loss = (loss_tok * wt).sum()
                 loss.backward()
                 total += float(loss)
                 with torch.no_grad():
                     pol = am.bool()
                     clipped = ((ratio < 1 - cfg['clip_low']) & (a < 0)) | ((ratio > 1 + cfg['clip_high']) & (a > 0))
-                    m['clip_frac'] += float((clipped & pol).sum())
-                    m['entropy'] += float((ent * am).sum())
-                    n_tok += float(am.sum())
+                    sums['clip_frac'] += float((clipped & pol).sum())
+                    sums['entropy'] += float((ent * am).sum())
+                    sums['tokens'] += float(am.sum())
                     if first and pol.any():  # before any optimizer step: the sampler's log-probs must match
-                        gap = float((logp - old).abs()[pol].max())
-                        m['logp_gap_max'] = max(m['logp_gap_max'], gap)
+                        m['logp_gap_max'] = max(m['logp_gap_max'], float((logp - old).abs()[pol].max()))
                         m['ratio_dev_first_minibatch'] = max(m['ratio_dev_first_minibatch'],
                                                              float((ratio - 1).abs()[pol].max()))
             first = False
+            total = all_reduce(total)
+            sync_gradients(model)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip']))
             if not (math.isfinite(total) and math.isfinite(grad_norm)):
                 m['bad_steps'] += 1  # a non-finite loss never reaches the weights
                 opt.zero_grad(set_to_none=True)
                 continue
             opt.step()
-            m['loss'] += total / (cfg['ppo_epochs'] * cfg['mini_batches'])
+            sums['loss'] += total / (cfg['ppo_epochs'] * cfg['mini_batches'])
             m['grad_norm'] = max(m['grad_norm'], grad_norm)
+    sums = {k: all_reduce(v) for k, v in sums.items()}
+    m['loss'] = sums['loss'] / world_size()
     for k in ('clip_frac', 'kl', 'entropy'):  # means over the policy tokens of all updates
-        m[k] /= max(n_tok, 1.0)
+        m[k] = sums[k] / max(sums['tokens'], 1.0)
+    m['logp_gap_max'] = all_reduce(m['logp_gap_max'], 'max')
+    m['ratio_dev_first_minibatch'] = all_reduce(m['ratio_dev_first_minibatch'], 'max')
     if ref_logp is None:
         m['kl'] = None
     return m
+
+
+# -----------------------------------------------------------------------------
+# data parallel helpers (torchrun); single-process runs pass through
+
+
+def world_size():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def all_reduce(x, op='sum'):
+    """Sum (or max) a Python float over ranks."""
+    if world_size() == 1:
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, torch.distributed.ReduceOp.SUM if op == 'sum' else torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def sync_gradients(model):
+    """Sum gradients over ranks: each rank's loss already carries the global normaliser."""
+    if world_size() == 1:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a rank with no rows in this mini-batch still takes part
+            torch.distributed.all_reduce(p.grad)
+
+
+def gather(items):
+    """Concatenate a list from every rank (rank order)."""
+    if world_size() == 1:
+        return items
+    out = [None] * world_size()
+    torch.distributed.all_gather_object(out, items)
+    return [x for part in out for x in part]
 
 
 def autocast(cfg):
@@ -372,33 +430,41 @@ def autocast(cfg):
 # evaluation and warm start
 
 
-@torch.no_grad()
-def evaluate(model, gym_, cfg, gen):
-    """Held-out success: greedy (one episode per task) and sampled (eval_samples per task)."""
-    tasks = gym_['eval_tasks']
-    out = {}
-    for name, temp, reps in [('greedy', 0.0, 1), ('sampled', cfg['temperature'], cfg['eval_samples'])]:
-        ecfg = dict(cfg, group_size=reps)
-        trajs = rollout_step(model, gym_, ecfg, tasks, None, gen, temperature=temp)
-        out[f'eval_{name}_success'] = sum(bool(t.info.get('success')) for t in trajs) / len(trajs)
-        if name == 'sampled':
-            out['eval_success_rate'] = out['eval_sampled_success']
-            out['eval_reward_mean'] = sum(t.reward for t in trajs) / len(trajs)
-            out.update(episode_stats(trajs, 'eval_'))
+def summarise(t):
+    """The numbers of one episode that metrics need (small, so ranks can exchange them)."""
+    keys = ('em', 'f1', 'k', 'tt', 'pt', 'n_turns')
+    return dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
+                **{k: t.info[k] for k in keys if k in t.info})
+
+
+def episode_metrics(eps, prefix=''):
+    """Means over episode summaries; memory gyms add EM/F1/TT/PT overall and per objective count k."""
+    n = max(len(eps), 1)
+    out = {f'{prefix}reward_mean': sum(e['reward'] for e in eps) / n,
+           f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
+           f'{prefix}truncation_rate': sum(e['stop'] == 'truncated' for e in eps) / n}
+    if eps and 'em' in eps[0]:
+        by_k = {}
+        for e in eps:
+            by_k.setdefault(e.get('k', 1), []).append(e)
+        for suffix, es in [('', eps)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
+            for key in ('em', 'f1', 'tt', 'pt'):
+                out[f'{prefix}{key}{suffix}'] = sum(float(e.get(key, 0.0)) for e in es) / len(es)
     return out
 
 
-def episode_stats(trajs, prefix=''):
-    """EM/F1/TT/PT means (memory gyms) overall and per number of objectives k."""
+@torch.no_grad()
+def evaluate(model, gym_, cfg, gen):
+    """Held-out success, greedy (one episode per task) and sampled (eval_samples per task); the tasks
+    are sharded over ranks and the episode summaries gathered."""
+    tasks = gym_['eval_tasks'][rank()::world_size()]
     out = {}
-    if 'em' not in trajs[0].info:
-        return out
-    by_k = {}
-    for t in trajs:
-        by_k.setdefault(t.info.get('k', 1), []).append(t)
-    for suffix, ts in [('', trajs)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
-        for key in ('em', 'f1', 'tt', 'pt'):
-            out[f'{prefix}{key}{suffix}'] = sum(float(t.info.get(key, 0.0)) for t in ts) / len(ts)
+    for name, temp, reps in [('greedy', 0.0, 1), ('sampled', cfg['temperature'], cfg['eval_samples'])]:
+        trajs = rollout_step(model, gym_, dict(cfg, group_size=reps), tasks, gen, temperature=temp) if tasks else []
+        eps = gather([summarise(t) for t in trajs])
+        out[f'eval_{name}_success'] = episode_metrics(eps)['success_rate']
+        if name == 'sampled':
+            out.update(episode_metrics(eps, 'eval_'))
     return out
 
 
@@ -426,7 +492,7 @@ def warm_start(model, gym_, cfg, rng):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return sum(losses[-10:]) / len(losses[-10:])
 
 
@@ -459,14 +525,11 @@ def load_latest_checkpoint(out_dir):
     return None, None
 
 
-def rng_state(rng, gen):
-    return dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gen.get_state())
-
-
 def set_rng_state(state, rng, gen):
+    """Restore the task-drawing rng, torch's global rng and this rank's sampling generator."""
     rng.setstate(state['python'])
     torch.set_rng_state(state['torch'])
-    gen.set_state(state['gen'])
+    gen.set_state(state['gen'][min(rank(), len(state['gen']) - 1)])
 
 
 # -----------------------------------------------------------------------------
@@ -474,86 +537,112 @@ def set_rng_state(state, rng, gen):
 
 def main(argv):
     cfg = load_config(argv)
-    print(json.dumps(cfg, indent=None))
+    ddp = int(os.environ.get('WORLD_SIZE', '1')) > 1
+    if ddp:  # torchrun: one process per device, gloo on CPU, nccl on CUDA
+        torch.distributed.init_process_group('nccl' if cfg['device'].startswith('cuda') else 'gloo')
+        if cfg['device'].startswith('cuda'):
+            cfg['device'] = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(cfg['device'])
+    master = rank() == 0
+    if master:
+        print(json.dumps(cfg))
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     os.makedirs(cfg['out_dir'], exist_ok=True)
     random.seed(cfg['seed'])
     torch.manual_seed(cfg['seed'])
-    rng = random.Random(cfg['seed'])
-    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
+    rng = random.Random(cfg['seed'])  # the same on every rank: all ranks draw the same tasks
+    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] + rank())  # sampling differs per rank
 
     gym_ = setup_gym(cfg)
     model = load_policy(cfg, gym_['tok'].vocab_size)
-    print(f"policy: {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters, gym {cfg['gym']}: "
-          f"{len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks")
+    if master:
+        print(f"policy: {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters, gym {cfg['gym']}: "
+              f"{len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks, {world_size()} process(es)")
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     state, ckpt_path = load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
-    start = 0
-    if state is None:
-        t0 = time.time()
-        sft_loss = warm_start(model, gym_, cfg, rng)
-        if sft_loss is not None:
-            print(f'warm start: {cfg["warmstart_steps"]} steps, final loss {sft_loss:.3f}, {time.time() - t0:.0f}s')
-        ref_model = copy.deepcopy(model).eval() if cfg['kl_coef'] else None
-        with open(metrics_path, 'w') as f:  # step 0: the warm-started policy, before any RL
-            f.write(json.dumps(dict(step=0, **evaluate(model, gym_, cfg, gen),
-                                    **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})) + '\n')
+    if cfg['resume'] and state is None and master:
+        print(f"no checkpoint in {cfg['out_dir']}: starting from scratch")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
-    if state is not None:
+    ref_model = None
+    if state is None:
+        t0 = time.time()
+        sft_loss = warm_start(model, gym_, cfg, rng)  # identical on every rank (same seed, same data)
+        if sft_loss is not None and master:
+            print(f'warm start: {cfg["warmstart_steps"]} steps, final loss {sft_loss:.3f}, {time.time() - t0:.0f}s')
+        if cfg['kl_coef']:
+            ref_model = copy.deepcopy(model).eval()
+        start = 0
+        log0 = dict(step=0, **evaluate(model, gym_, cfg, gen), **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
+        if master:  # step 0: the warm-started policy, before any RL
+            with open(metrics_path, 'w') as f:
+                f.write(json.dumps(log0) + '\n')
+    else:
         model.load_state_dict(state['model'])
         opt.load_state_dict(state['optimizer'])
-        ref_model = None
         if cfg['kl_coef']:
             ref_model = copy.deepcopy(model).eval()
             ref_model.load_state_dict(state['ref_model'])
         set_rng_state(state['rng'], rng, gen)
         start = state['step']
-        # metrics logged after the checkpoint belong to steps that will run again
-        lines = [l for l in open(metrics_path) if json.loads(l)['step'] <= start] if os.path.exists(metrics_path) else []
-        open(metrics_path, 'w').writelines(lines)
-        print(f'resumed from {ckpt_path} at step {start}')
-    metrics_file = open(metrics_path, 'a')
-    json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
+        if master:  # metrics logged after the checkpoint belong to steps that will run again
+            lines = [l for l in open(metrics_path) if json.loads(l)['step'] <= start] if os.path.exists(metrics_path) else []
+            open(metrics_path, 'w').writelines(lines)
+            print(f'resumed from {ckpt_path} at step {start}')
+    if master:
+        json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
+        metrics_file = open(metrics_path, 'a')
 
     bad_steps = 0
-    for step in tqdm(range(start + 1, cfg['steps'] + 1), initial=start, total=cfg['steps'], disable=None):
+    for step in tqdm(range(start + 1, cfg['steps'] + 1), initial=start, total=cfg['steps'], disable=not master or None):
         t0 = time.time()
-        lr = cfg['lr'] * min(1.0, step / max(1, cfg['warmup_steps']))
+        lr = cfg['lr'] * min(1.0, step / max(1, cfg['warmup_steps']))  # linear warm-up, then constant
         for g in opt.param_groups:
             g['lr'] = lr
-        log = dict(step=step, lr=lr)
+        # 1-2. tasks (the same draw on every rank), this rank's groups, rollout
         tasks = [rng.choice(gym_['train_tasks']) for _ in range(cfg['batch_size'])]
-        trajs = rollout_step(model, gym_, cfg, tasks, rng, gen)
+        mine = list(range(rank(), cfg['batch_size'], world_size()))  # a group never straddles ranks
+        trajs = rollout_step(model, gym_, cfg, [tasks[g] for g in mine], gen, group_ids=mine)
         batch = collate(trajs, gym_['fmt'].pad_id)
+        # 3-4. rewards -> advantages (outcome per group, memory on <mem> tokens)
         adv, mem_stats = compute_advantages(model, gym_, cfg, trajs, batch)
+        if not torch.isfinite(adv).all():
+            raise FloatingPointError(f'step {step}: non-finite advantages')
+        # 5. reference log-probs
         ref_logp = reference_log_probs(ref_model, batch, cfg) if ref_model is not None else None
-        m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng)
-        n = len(trajs)
-        log.update(reward_mean=sum(t.reward for t in trajs) / n,
-                   success_rate=sum(bool(t.info.get('success')) for t in trajs) / n,
-                   truncation_rate=sum(t.info.get('stop') == 'truncated' for t in trajs) / n,
-                   invalid_episodes=sum(not t.valid for t in trajs),
-                   turns_mean=sum(t.info['n_turns'] for t in trajs) / n,
-                   mem_tokens_mean=float(batch['mem_mask'].sum()) / n,
-                   **mem_stats, **m)
+        # 6. PPO
+        episode_ids = torch.tensor([t.group * cfg['group_size'] + i % cfg['group_size'] for i, t in enumerate(trajs)])
+        m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'])
+        # 7. log, evaluate, checkpoint
+        eps = gather([summarise(t) for t in trajs])
+        log = dict(step=step, lr=lr, **episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
+                   turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
+                   mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps),
+                   **{k: all_reduce(v) / world_size() for k, v in mem_stats.items()}, **m)
         bad_steps = bad_steps + 1 if m['bad_steps'] else 0
         dt = time.time() - t0
-        log.update(step_time_s=dt, tokens_per_s=sum(t.info['tt'] for t in trajs) / dt)
+        log.update(step_time_s=dt, tokens_per_s=sum(e.get('tt', 0) for e in eps) / dt)
         if step == cfg['steps'] or (cfg['eval_every'] and step % cfg['eval_every'] == 0):
             log.update(evaluate(model, gym_, cfg, gen))
             log.update({f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
-        metrics_file.write(json.dumps(log) + '\n')
-        metrics_file.flush()
+        if master:
+            metrics_file.write(json.dumps(log) + '\n')
+            metrics_file.flush()
         if bad_steps >= cfg['max_bad_steps']:
-            print(f'stopping: {bad_steps} steps in a row had a non-finite loss (max_bad_steps)', file=sys.stderr)
+            if master:
+                print(f'stopping at step {step}: {bad_steps} steps in a row had a non-finite loss '
+                      f'(max_bad_steps={cfg["max_bad_steps"]})', file=sys.stderr)
             sys.exit(1)
         if step == cfg['steps'] or (cfg['save_every'] and step % cfg['save_every'] == 0):
-            save_checkpoint(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
-                                 rng=rng_state(rng, gen),
-                                 ref_model=ref_model.state_dict() if ref_model is not None else None),
-                            cfg['out_dir'], step, cfg['keep_checkpoints'])
+            gens = gather([gen.get_state()])
+            if master:
+                save_checkpoint(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
+                                     rng=dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gens),
+                                     ref_model=ref_model.state_dict() if ref_model is not None else None),
+                                cfg['out_dir'], step, cfg['keep_checkpoints'])
+    if ddp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == '__main__':

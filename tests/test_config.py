@@ -1,0 +1,47 @@
+import subprocess
+import sys
+
+import pytest
+
+from train import config, load_config
+
+ROOT = __file__.rsplit('/tests/', 1)[0]
+
+
+def run_train(*args):
+    return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize('args, needle', [
+    (['--stpes=3'], "unknown config key 'stpes' (did you mean 'steps'?)"),
+    (['--steps=abc'], "config key 'steps' expects int, got 'abc'"),
+    (['--resume=maybe'], '--resume=maybe: expected true or false'),
+    (['config/does_not_exist.yaml'], 'config file not found: config/does_not_exist.yaml'),
+    (['--kl_type=k4'], "config key 'kl_type' must be one of k1, k2, k3, got 'k4'"),
+    (['--keep_tool_results=some'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
+])
+def test_config_errors_exit_2_with_one_line(args, needle):
+    p = run_train(*args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_bad_yaml_file_exit_2(tmp_path):
+    bad = tmp_path / 'bad.yaml'
+    bad.write_text('steps: [1, 2\n')
+    p = run_train(str(bad))
+    assert p.returncode == 2 and f'cannot parse YAML file {bad}' in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    wrong = tmp_path / 'wrong.yaml'
+    wrong.write_text('lr: fast\n')
+    p = run_train(str(wrong))
+    assert p.returncode == 2 and "config key 'lr' expects float, got 'fast'" in p.stderr
+
+
+def test_config_order_defaults_file_cli(tmp_path):
+    f = tmp_path / 'c.yaml'
+    f.write_text('steps: 7\nlr: 1\nkeep_tool_results: 1\n')
+    cfg = load_config([str(f), '--steps=9'])
+    assert cfg['steps'] == 9 and cfg['lr'] == 1.0 and isinstance(cfg['lr'], float)
+    assert cfg['keep_tool_results'] == 1 and cfg['batch_size'] == config['batch_size']
+    assert load_config(['--keep_tool_results=all'])['keep_tool_results'] == 'all'
