@@ -1,0 +1,210 @@
+import random
+import unicodedata
+
+from hypothesis import given, settings, strategies as st
+
+import gym_memory as g
+
+# -----------------------------------------------------------------------------
+# scoring
+
+
+def test_normalize_answer_unicode_punctuation_articles():
+    assert g.normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
+    assert g.normalize_answer("1990\u20131995") == g.normalize_answer("1990-1995") == "19901995"  # en dash
+    assert g.normalize_answer("\u201cAn Apple\u201d") == "apple"  # curly quotes, article
+    assert g.normalize_answer("ＡＢＣ") == "abc"  # full-width (NFKC)
+
+
+def test_em_composed_and_decomposed_accents_match():
+    composed, decomposed = "Beyonc\u00e9", "Beyonce\u0301"
+    assert composed != decomposed and unicodedata.normalize("NFC", decomposed) == composed
+    assert g.em(decomposed, [composed]) == 1.0
+    assert g.em("beyonce", [composed]) == 0.0  # accents are kept, not stripped
+
+
+def test_em_f1_hand_computed():
+    assert g.em("the Oslo", ["oslo"]) == 1.0
+    assert g.em("oslo city", ["oslo", "bergen"]) == 0.0
+    assert g.f1("oslo city", ["oslo"]) == 2 * (1 / 2 * 1) / (1 / 2 + 1)  # p=1/2 r=1 -> 2/3
+    assert g.f1("new york city", ["bergen", "york city"]) == 2 * (2 / 3) * 1 / (2 / 3 + 1)  # max over aliases -> 0.8
+    assert g.f1("x", "x") == 1.0  # a bare str gold is one alias
+
+
+def test_empty_answer_never_matches():
+    for pred in ["", "   ", "the", "a an the", "!!", "\u2013"]:
+        assert g.em(pred, ["", "the", pred]) == 0.0
+        assert g.f1(pred, ["", "the", pred]) == 0.0
+    assert g.score_answers(" ; ", [[""], ["the"]])["em_count"] == 0
+
+
+def test_score_answers_multi_objective():
+    golds = [["oslo"], ["ada", "ada lovelace"], ["moonfall"]]
+    s = g.score_answers("Oslo ; Ada Lovelace ; ironbay", golds)
+    assert s["em_count"] == 2 and s["k"] == 3 and abs(s["em"] - 2 / 3) < 1e-12
+    assert abs(s["f1"] - 2 / 3) < 1e-12
+    s = g.score_answers("oslo", golds)  # missing parts score 0
+    assert s["em_count"] == 1 and abs(s["em"] - 1 / 3) < 1e-12
+    s = g.score_answers("bergen ; oslo ; ada ; moonfall", golds)  # position-aligned: no hedging
+    assert s["em_count"] == 0
+    s = g.score_answers("new york", [["new york city"], ["paris"]])
+    assert s["em_count"] == 0 and abs(s["f1"] - (0.8 / 2)) < 1e-12
+    assert g.score_answers("oslo", ["oslo", "christiania"])["em_count"] == 1  # flat list = one objective
+
+# -----------------------------------------------------------------------------
+# format
+
+S = "<mem> ada </mem> <search> ada born in </search>"
+A = "<mem> oslo </mem> <answer> oslo </answer>"
+
+
+def test_valid_episodes_pass():
+    assert g.validate_format([A]) == (True, "ok")
+    assert g.validate_format([S, S, A]) == (True, "ok")
+    assert g.validate_format(["<mem>a</mem><think>b</think><answer>c</answer>"], require_think=True)[0]
+    assert g.validate_format(["\n<mem>\nx\n</mem>\n<think>y</think>\n<search>q</search>\n", A])[0]
+
+
+def test_invalid_formats_fail():
+    bad = {
+        "duplicated": ["<mem> a </mem> <mem> b </mem> <answer> c </answer>"],
+        "two actions": ["<mem> a </mem> <search> q </search> <answer> c </answer>"],
+        "nested": ["<mem> a <search> q </search> </mem> <answer> c </answer>"],
+        "nested same": ["<mem> a <mem> b </mem> </mem> <answer> c </answer>"],
+        "empty mem": ["<mem> </mem> <answer> c </answer>"],
+        "empty answer": ["<mem> a </mem> <answer>  </answer>"],
+        "missing mem": ["<answer> c </answer>"],
+        "missing action": ["<mem> a </mem>"],
+        "unclosed": ["<mem> a </mem> <answer> c"],
+        "unbalanced": ["<mem> a </mem> </answer> c </answer>"],
+        "mismatched": ["<mem> a </search> <answer> c </answer>"],
+        "text outside": ["<mem> a </mem> hello <answer> c </answer>"],
+        "trailing text": ["<mem> a </mem> <answer> c </answer> bye"],
+        "think after action": ["<mem> a </mem> <answer> c </answer> <think> t </think>"],
+        "answer not last": [A, S],
+        "two answers": [S, A, A],
+        "no answer": [S, S],
+        "no turns": [],
+    }
+    for name, turns in bad.items():
+        ok, reason = g.validate_format(turns)
+        assert not ok and reason != "ok", name
+    assert not g.validate_format([A], require_think=True)[0]
+
+
+def test_extract_answer_from_own_turn_only():
+    assert g.extract_answer("<mem> x </mem> <answer> oslo ; ada </answer>") == "oslo ; ada"
+    assert g.extract_answer("<answer> a </answer> <answer> b </answer>") is None
+    assert g.extract_answer("<mem> x </mem> <search> q </search>") is None
+    assert g.extract_answer("<answer> a <answer> b </answer>") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(list("<>/ ab;\n\u2013\u00e9") + [f"<{t}>" for t in g.TAGS] + [f"</{t}>" for t in g.TAGS]),
+                         max_size=30).map("".join) | st.text(max_size=60), max_size=4))
+def test_arbitrary_text_never_raises(texts):
+    assert isinstance(g.validate_format(texts)[0], bool)
+    assert isinstance(g.validate_format(texts, require_think=True)[0], bool)
+    for t in texts:
+        g.extract_answer(t), g.extract_mem(t), g.normalize_answer(t)
+        assert 0.0 <= g.f1(t, [t, "x"]) <= 1.0
+        assert 0 <= g.score_answers(t, [["a"], [t]])["em_count"] <= 2
+    env = g.MemoryEnv()
+    env.reset(g.make_tasks("train", 1)[0])
+    for t in texts:
+        obs, r, done, info = env.step(t)
+        assert isinstance(obs, str) and r >= 0.0
+        if done:
+            break
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["<mem>", "</mem>", "<search>", "</search>", "<answer>", "</answer>",
+                                 "<think>", "</think>", "x", " "]), max_size=14))
+def test_tag_soup_valid_iff_structure(words):
+    # a single turn valid under the rules must look like mem [think] action; check the converse too
+    text = " ".join(words)
+    ok, _ = g.validate_format([text])
+    if ok:
+        s = text.split()
+        assert s[0] == "<mem>" and s[-1] == "</answer>" and s.count("<answer>") == 1
+
+# -----------------------------------------------------------------------------
+# tasks and env
+
+
+def test_worlds_differ_across_tasks_and_splits():
+    tr, he = g.make_tasks("train", 50, seed=0), g.make_tasks("heldout", 50, seed=0)
+    worlds = {tuple(sorted(t.facts.items())) for t in tr + he}
+    assert len(worlds) == 100
+    assert g.make_tasks("train", 5, seed=0)[3] == tr[3]  # deterministic
+    assert g.make_tasks("train", 5, seed=1)[3].facts != tr[3].facts
+
+
+def test_objective_counts_and_hops():
+    tr, he = g.make_tasks("train", 200), g.make_tasks("heldout", 200)
+    assert {len(t.golds) for t in tr} == {1, 2}
+    assert {len(t.golds) for t in he} == {1, 2, 3, 4}
+    assert all(2 <= h <= 3 for t in tr + he for h in t.hops)
+    assert all(len(t.question.split(" ; ")) == len(t.golds) == len(t.hops) for t in tr + he)
+
+
+def test_held_out_vocabulary_covered_by_training():
+    words = lambda ts: {w for t in ts for w in (t.question + " " + " ".join(f"{k} {v}" for k, v in t.facts.items())).split()}
+    assert words(g.make_tasks("heldout", 300)) <= words(g.make_tasks("train", 300))
+    vocab = {w for x in g.memory_texts() for w in x.split()}
+    assert words(g.make_tasks("train", 300)) <= vocab
+
+
+def test_oracle_succeeds_with_only_folded_context():
+    # play() hands the policy only (question, last mem, last obs): MemPO's folded context
+    for split, n_obj, hops in [("train", None, (2, 3)), ("heldout", None, (2, 3)), ("heldout", (4, 4), (4, 4))]:
+        for t in g.make_tasks(split, 100, seed=7, n_objectives=n_obj, hops=hops):
+            turns, obs, r, info = g.play(t, g.oracle_policy)
+            assert info["success"] and r == len(t.golds) and info["n_invalid"] == 0, (t.question, turns, obs)
+            assert len(turns) == sum(t.hops) + 1
+            vocab = {w for x in g.memory_texts() for w in x.split()}
+            assert all(set(a.split()) <= vocab for a in turns + obs)
+            full = ["<mem> " + a for a in turns]
+            assert g.extract_answer(full[-1]) == " ".join(g.gold_answer_text(t).split()[1:-1])
+
+
+def test_env_search_observations_and_errors():
+    t = g.make_tasks("train", 1)[0]
+    env = g.MemoryEnv()
+    assert env.reset(t) == t.question
+    key, val = next(iter(t.facts.items()))
+    obs, r, done, info = env.step(f"x </mem> <search>  {key} </search>")
+    assert obs == f"{key} {val}" and not done and r == 0.0
+    obs, *_ = env.step("x </mem> <search> nobody born in </search>")
+    assert obs == g.NO_RESULT
+    obs, r, done, info = env.step("x </mem> <search> </search>")
+    assert obs == g.BAD_FORMAT and not done and info["n_invalid"] == 1
+    # right answer, but an earlier malformed turn: reward 0
+    _, r, done, info = env.step("x </mem> <answer> " + " ; ".join(a[0] for a in t.golds) + " </answer>")
+    assert done and r == 0.0 and info["em_count"] == len(t.golds) and not info["format_ok"] and not info["success"]
+
+
+def test_env_partial_credit_and_budget():
+    t = next(t for t in g.make_tasks("train", 50) if len(t.golds) == 2)
+    env = g.MemoryEnv()
+    env.reset(t)
+    _, r, done, info = env.step(f"m </mem> <answer> {t.golds[0][0]} ; wrong </answer>")
+    assert done and r == 1.0 and info["em_count"] == 1 and info["k"] == 2 and not info["success"]
+    env = g.MemoryEnv(max_turns=2)
+    env.reset(t)
+    env.step("m </mem> <search> q </search>")
+    _, r, done, info = env.step("m </mem> <search> q </search>")
+    assert done and r == 0.0 and info["stop"] == "max_turns"
+
+
+def test_baselines_are_weak():
+    ts = g.make_tasks("train", 200)
+    assert sum(g.play(t, g.any_answer_policy)[2] for t in ts) == 0
+    pol = g.make_random_policy(random.Random(0))
+    assert sum(g.play(t, pol)[3]["success"] for t in ts) < 10
+
+
+def test_gold_answer_text_format():
+    t = g.MemoryTask("x", "q1 ; q2", [["oslo"], ["ada"]], {}, [2, 2])
+    assert g.gold_answer_text(t) == "<answer> oslo ; ada </answer>"

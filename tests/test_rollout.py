@@ -1,0 +1,167 @@
+"""Invariants of DESIGN.md on the token level: masks, owners, sampled log-probs, folding, truncation."""
+import random
+
+import pytest
+import torch
+
+import gym_memory as gm
+from gym import build_tokenizer
+from model import TinyAgent, sequence_log_probs
+from rollout import OWNER, answer_pieces, collate, context_of, generate, memory_rewards, rollout_batch, word_format
+
+CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1, temperature=1.0, device='cpu')
+
+
+class CountEnv:
+    """A toy tool env: every call is answered `ok <n>`; `<call> submit </call>` ends with reward 1."""
+    def reset(self, task):
+        self.n = 0
+        return f'task {task}'
+
+    def step(self, action):
+        self.n += 1
+        if action.split()[1:2] == ['submit']:
+            return '', 1.0, True, dict(stop='submit', success=True)
+        return f'ok {self.n}', 0.0, False, {}
+
+
+def count_tok():
+    return build_tokenizer(['task ok submit read'] + [str(i) for i in range(20)])
+
+
+@pytest.fixture(scope='module')
+def mem_setup():
+    tok = build_tokenizer(gm.memory_texts())
+    torch.manual_seed(0)
+    model = TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
+    return tok, model, word_format(tok, memory=True)
+
+
+def sampled(model, fmt, envs, tasks, cfg, seed=0):
+    return rollout_batch(model, fmt, envs, tasks, cfg, generator=torch.Generator().manual_seed(seed))
+
+
+def test_action_mask_is_policy_owner_shifted_and_includes_sampled_stop_token():
+    tok = count_tok()
+    fmt = word_format(tok)
+    torch.manual_seed(1)
+    model = TinyAgent(tok.vocab_size, 1, 2, 32, 128).eval()
+    cfg = dict(CFG, keep_tool_results='all', max_response_tokens=4, max_turns=6)
+    trajs = sampled(model, fmt, [CountEnv() for _ in range(16)], list(range(16)), cfg)
+    stops = 0
+    for t in trajs:
+        assert t.action_mask.shape == (len(t.ids) - 1,)
+        assert torch.equal(t.action_mask.bool(), t.owner[1:] == OWNER['policy'])
+        for turn in t.turns:  # a sampled stop token is the last token of its turn and a policy token
+            if tok.call_end_id in turn['response']:
+                assert turn['response'][-1] == tok.call_end_id
+                stops += 1
+        pol = t.ids[1:][t.action_mask.bool()].tolist()
+        assert pol == [i for turn in t.turns for i in turn['response']]  # the sampled ids, nothing re-encoded
+        tool_or_template = t.owner[1:] != OWNER['policy']
+        assert t.action_mask[tool_or_template].sum() == 0
+    assert stops > 0
+
+
+def test_logp_gap_batched_kv_rollout_full_history_and_folded(mem_setup):
+    tok, model, fmt = mem_setup
+    tasks = gm.make_tasks('train', 12, seed=3)
+    for keep in ('all', 1):
+        cfg = dict(CFG, keep_tool_results=keep)
+        trajs = sampled(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks, cfg, seed=4)
+        b = collate(trajs, tok.pad_id)
+        with torch.no_grad():
+            logp = sequence_log_probs(model, b['ids'], b['attention_mask'])
+        gap = ((logp - b['sample_logp']).abs() * b['action_mask']).max()
+        assert b['action_mask'].sum() > 100 and gap <= 1e-5
+        if keep == 'all':  # prefix-stable: one row per episode, identical to the full sequence
+            assert all(len(t.rows) == 1 and torch.equal(t.rows[0]['ids'], t.ids) for t in trajs)
+        else:  # folded: one row per turn
+            assert all(len(t.rows) == len(t.turns) for t in trajs)
+
+
+def test_generate_temperature_logp_is_the_tempered_distribution():
+    tok = count_tok()
+    torch.manual_seed(2)
+    model = TinyAgent(tok.vocab_size, 1, 2, 32, 64).eval()
+    ctx = [[tok.bos_id, 5, 6, 7], [tok.bos_id, 8]]
+    resp, lps = generate(model, ctx, [tok.call_end_id], 5, temperature=0.7, generator=torch.Generator().manual_seed(0))
+    for c, r, lp in zip(ctx, resp, lps):
+        ids = torch.tensor([c + r])
+        with torch.no_grad():
+            ref = sequence_log_probs(model, ids, temperature=0.7)[0, len(c) - 1:]
+        assert torch.allclose(ref, torch.tensor(lp), atol=1e-5)
+        with torch.no_grad():
+            untempered = sequence_log_probs(model, ids)[0, len(c) - 1:]
+        assert (untempered - torch.tensor(lp)).abs().max() > 1e-3  # temperature really changes the log-probs
+
+
+def test_turn3_context_is_prompt_last_mem_last_obs_prefix(mem_setup):
+    tok, _, fmt = mem_setup
+    task = gm.make_tasks('train', 1, seed=5, n_objectives=(1, 1), hops=(3, 3))[0]
+    from train import folded_policy
+    t = rollout_batch([folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
+    assert len(t.turns) >= 3
+    resp2 = t.turns[1]['response']
+    mem2 = resp2[:resp2.index(tok.stoi['</mem>']) + 1]  # turn 2's memory as sampled, through </mem>
+    query = t.info['actions'][1].split('<search>')[1].split('</search>')[0].strip()
+    obs2 = f'{query} {task.facts[query]}'  # what the env answered to turn 2, computed independently
+    mem_id = tok.stoi['<mem>']
+    expected = ([tok.bos_id] + tok.encode(task.question) + [mem_id] + mem2
+                + [tok.obs_id] + tok.encode(obs2) + [tok.obs_end_id] + [mem_id])
+    assert t.turns[2]['context'][0] == expected
+    # turn 1's memory and observation are gone from the context, but still in the full history
+    assert len(t.turns[2]['context'][0]) < int((t.turn == 2).nonzero()[0]) + 1
+
+
+def test_truncation_by_turns_and_context_gives_reward_0():
+    tok = count_tok()
+    fmt = word_format(tok)
+    never_submit = [lambda ep: '<call> read </call>'] * 3
+    t = rollout_batch(never_submit, fmt, [CountEnv() for _ in range(3)], [0, 1, 2], dict(CFG, keep_tool_results='all', max_turns=3))
+    assert all(x.info['stop'] == 'truncated' and x.reward == 0 and len(x.turns) == 3 for x in t)
+    t = rollout_batch(never_submit, fmt, [CountEnv() for _ in range(3)], [0, 1, 2],
+                      dict(CFG, keep_tool_results='all', max_turns=50, max_len=40, max_response_tokens=4))
+    assert all(x.info['stop'] == 'truncated' and x.reward == 0 and len(x.ids) <= 40 for x in t)
+    submit_late = [lambda ep: '<call> submit </call>' if len(ep.turns) == 2 else '<call> read </call>']
+    t = rollout_batch(submit_late, fmt, [CountEnv()], [0], dict(CFG, keep_tool_results='all'))
+    assert t[0].reward == 1.0 and t[0].info['stop'] == 'submit'
+
+
+def test_env_that_raises_or_nan_reward_marks_episode_invalid():
+    class Broken(CountEnv):
+        def step(self, action):
+            raise RuntimeError('tool crashed')
+
+    class NaNReward(CountEnv):
+        def step(self, action):
+            return '', float('nan'), True, {}
+    tok = count_tok()
+    pol = [lambda ep: '<call> read </call>'] * 2
+    t = rollout_batch(pol, word_format(tok), [Broken(), NaNReward()], [0, 1], dict(CFG, keep_tool_results='all'))
+    assert [x.valid for x in t] == [False, False] and all(x.reward == 0.0 for x in t)
+    assert 'tool crashed' in t[0].info['error']
+
+
+def test_memory_reward_scores_answer_tokens_only_in_the_two_contexts(mem_setup):
+    tok, model, fmt = mem_setup
+    task = gm.make_tasks('train', 1, seed=7, n_objectives=(1, 1), hops=(2, 2))[0]
+    from train import folded_policy
+    t = rollout_batch([folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
+    gold = gm.gold_answer_text(task)
+    mem_r, valid = memory_rewards(model, [t], fmt, [gold], CFG)
+    assert not valid[0, 0] and valid[0, 1:len(t.turns)].all()
+    ans, amask = answer_pieces(fmt, gold)
+    assert amask[0] == 0 and amask[-1] == 0 and sum(amask) == len(ans) - 2  # tags not scored
+    k = 1
+    resp = t.turns[k]['response']
+    mem = [tok.stoi['<mem>']] + resp[:t.turns[k]['mem_len']]
+    full = t.ids.tolist()[:t.turn.tolist().index(k)] + mem
+    short = t.ids.tolist()[:t.prompt_len] + mem
+
+    def p(ctx):
+        with torch.no_grad():
+            lp = sequence_log_probs(model, torch.tensor([ctx + ans]))[0]
+        cols = [len(ctx) - 1 + i for i, m in enumerate(amask) if m]
+        return torch.exp(lp[cols].mean())
+    assert torch.allclose(mem_r[0, k], p(short) - p(full), atol=1e-5)
