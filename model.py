@@ -112,7 +112,7 @@ def trunk(model, ids, attention_mask=None):
     pos = position_ids_from_mask(attention_mask)
     if isinstance(model, TinyAgent):
         return model.hidden(ids, attention_mask, pos)[0]
-    return model.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+    return model.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
 
 
 def select_cache(cache, keep):
@@ -123,26 +123,45 @@ def select_cache(cache, keep):
     return cache
 
 
-def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1024, with_entropy=False):
-    """Log-probability of each next token under `model`: ids [B, T] -> logp [B, T-1].
+def _chunk_log_probs(h, weight, targets, temperature, with_entropy):
+    logits = F.linear(h, weight).float() / temperature  # [n, V], one chunk only
+    # log_softmax, exactly what the sampler uses: logit - logsumexp differs by ~1e-5 on large logits
+    logp_all = F.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
+    return logp, ent
+
+
+def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1024, with_entropy=False,
+                       positions=None):
+    """Log-probability of each next token under `model`: ids [B, T] -> logp [B, T-1] (float32).
 
     Column j scores token j+1 given tokens 0..j, so logp lines up with action_mask [B, T-1]. Logits are
-    divided by `temperature`, the same transform the sampler used, so stored sampling log-probs and
-    this recomputation agree. The vocabulary projection runs in chunks of `chunk` positions as
-    gathered logit minus logsumexp: a full [B, T, V] log-softmax of a 152k vocabulary would take
-    gigabytes. With with_entropy=True also returns the entropy [B, T-1] of each tempered next-token
-    distribution (nats). Gradients flow unless the caller disables them."""
+    divided by `temperature`, the transform the sampler used, so stored sampling log-probs and this
+    recomputation agree. Only the positions that need a value are projected onto the vocabulary
+    (`positions` [B, T-1] bool, e.g. the action mask; default: every real token), `chunk` at a time,
+    and under autograd each chunk is recomputed in backward: a full [B, T, V] logits tensor of a
+    152k vocabulary would take gigabytes. Other entries are 0. with_entropy=True also returns the
+    entropy [B, T-1] of each tempered next-token distribution (nats)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(ids)
     h = trunk(model, ids, attention_mask)[:, :-1]  # [B, T-1, C]
-    targets = ids[:, 1:]
-    logps, ents = [], []
-    for s in range(0, h.shape[1], chunk):
-        logits = model.lm_head(h[:, s:s + chunk]).float() / temperature  # [B, c, V]
-        lse = logits.logsumexp(-1)  # [B, c]
-        logps.append(logits.gather(-1, targets[:, s:s + chunk, None]).squeeze(-1) - lse)
-        if with_entropy:
-            ents.append(lse - (logits.softmax(-1) * logits).sum(-1))
-    logp = torch.cat(logps, 1)  # [B, T-1]
-    return (logp, torch.cat(ents, 1)) if with_entropy else logp
+    keep = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool() if positions is None else positions.bool()
+    hk, tk = h[keep], ids[:, 1:][keep]  # [N, C], [N]
+    weight = model.get_output_embeddings().weight if not isinstance(model, TinyAgent) else model.lm_head.weight
+    parts = []
+    for s in range(0, hk.shape[0], chunk):
+        args = (hk[s:s + chunk], weight, tk[s:s + chunk], temperature, with_entropy)
+        if torch.is_grad_enabled() and hk.requires_grad:
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_log_probs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_log_probs(*args))
+    logp = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
+    ent = torch.zeros_like(logp)
+    if parts:
+        logp = logp.masked_scatter(keep, torch.cat([p[0] for p in parts]))
+        ent = ent.masked_scatter(keep, torch.cat([p[1] for p in parts]))
+    return (logp, ent) if with_entropy else logp
 
 
 def sample_next(logits, temperature=1.0, generator=None):

