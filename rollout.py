@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from model import position_ids_from_mask, sample_next, select_cache, sequence_log_probs
+from model import forward_cached, position_ids_from_mask, sample_next, select_cache, sequence_log_probs
 
 OWNER = {'template': 0, 'prompt': 1, 'policy': 2, 'tool': 3}
 
@@ -46,7 +46,7 @@ class Format:
     stop_ids: list
     pad_id: int
     turn_prefix: list = field(default_factory=list)
-    mem_end_id: int = None        # id that closes a memory span; None when the gym has no memory
+    mem_span: Callable = None     # response ids -> length of its memory span through </mem> (0: none)
     fold_close: list = field(default_factory=list)  # template ids closing a folded memory turn
 
 
@@ -63,11 +63,36 @@ def word_format(tok, memory=False):
         ids = tok.encode(text)
         return [tok.obs_id] + ids + [tok.obs_end_id], [T] + [X] * len(ids) + [T]
 
+    def mem_span(response):
+        end = tok.stoi['</mem>']
+        return response.index(end) + 1 if end in response else 0
+
     stops = ['</search>', '</answer>'] if memory else ['</call>']
     return Format(prompt=prompt, observation=observation, decode=tok.decode, encode=tok.encode,
                   stop_ids=[tok.stoi[s] for s in stops], pad_id=tok.pad_id,
-                  turn_prefix=[tok.stoi['<mem>']] if memory else [],
-                  mem_end_id=tok.stoi['</mem>'] if memory else None)
+                  turn_prefix=[tok.stoi['<mem>']] if memory else [], mem_span=mem_span if memory else None)
+
+
+def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False):
+    """A Hugging Face tokenizer's chat template (hf.py): the prompt and each tool turn are the ids the
+    template writes for them; the policy's turn ends with the <|im_end|> it samples (a policy token).
+    With memory every assistant turn is forced to open with '<mem>\\n' (with the newline: '>\\n' is how
+    the BPE splits it in running text). A memory span ends with the token that completes '</mem>',
+    which may also carry the next character: real vocabularies have no single </mem> id."""
+    import hf
+    prefix = '<mem>\n' if memory else ''
+    im_end = tok.convert_tokens_to_ids('<|im_end|>')
+
+    def mem_span(response):
+        return hf.span_through(tok, response, '</mem>') or 0
+
+    return Format(prompt=lambda text: hf.prompt_ids(tok, system, text, tools, enable_thinking),
+                  observation=lambda text: hf.tool_turn_ids(tok, text, tools, enable_thinking),
+                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                  encode=lambda text: tok.encode(text, add_special_tokens=False),
+                  stop_ids=hf.stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else im_end,
+                  turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
+                  mem_span=mem_span if memory else None, fold_close=[im_end] if memory else [])
 
 
 # -----------------------------------------------------------------------------
@@ -162,9 +187,7 @@ def finish(ep, reward, info, stop=None):
 def record_turn(ep, fmt, context, response, logp, cfg):
     """Append one sampled turn to the episode, step the environment, append its observation."""
     t = len(ep.turns)
-    mem_len = 0
-    if fmt.mem_end_id is not None and fmt.mem_end_id in response:
-        mem_len = response.index(fmt.mem_end_id) + 1  # the sampled memory through </mem>
+    mem_len = fmt.mem_span(response) if fmt.mem_span else 0  # the sampled memory through </mem>
     ep.turns.append(dict(context=context, response=list(response), logp=list(logp), mem_len=mem_len))
     h, n = ep.hist, len(fmt.turn_prefix)
     h['ids'] += fmt.turn_prefix
@@ -270,8 +293,7 @@ def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generat
         attn[b, L - len(c):] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = position_ids_from_mask(attn)
-    out = model(ids, attention_mask=attn, position_ids=pos, use_cache=True)
-    logits, cache = out.logits[:, -1], out.past_key_values  # [B, V]
+    logits, cache = forward_cached(model, ids, attn, pos)  # [B, V]: only the last position is projected
     rows = torch.arange(B, device=device)  # which context each live batch row belongs to
     next_pos = pos[:, -1] + 1
     stops = torch.tensor(stop_ids, device=device)
@@ -286,9 +308,8 @@ def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generat
             keep = live.nonzero().squeeze(1)
             cache, attn, tok, rows, next_pos = select_cache(cache, keep), attn[keep], tok[keep], rows[keep], next_pos[keep]
         attn = torch.cat([attn, attn.new_ones(len(rows), 1)], 1)
-        out = model(tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], past_key_values=cache,
-                    use_cache=True)
-        logits, cache, next_pos = out.logits[:, -1], out.past_key_values, next_pos + 1
+        logits, cache = forward_cached(model, tok[:, None], attn, next_pos[:, None], cache)
+        next_pos = next_pos + 1
     responses, logps = [[] for _ in range(B)], [[] for _ in range(B)]
     for r, t, lp in steps:
         for b, i, l in zip(r.tolist(), t.tolist(), lp.tolist()):

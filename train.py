@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from advantage import grpo_advantage, memory_advantage, token_advantages
 from model import count_params, load_policy, sequence_log_probs
-from rollout import collate, memory_rewards, rollout_batch, word_format
+from rollout import chat_format, collate, memory_rewards, rollout_batch, word_format
 
 # -----------------------------------------------------------------------------
 # config: every default in one place; a YAML file overrides it; --key=value overrides the file
@@ -56,12 +56,17 @@ config = dict(
     gguf_file='',
     n_layer=2, n_head=4, n_embd=128, max_len=256,
     grad_checkpointing=False,
+    enable_thinking=False,       # chat templates with a thinking switch (Qwen3)
+    require_think=False,         # SearchQA: every turn needs <think> (always when enable_thinking)
     # rollout
     max_turns=12,
     max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
     temperature=1.0,
     keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
-    # gym sizes
+    # gym data and sizes
+    data='',                     # searchqa: hotpotqa | bamboogle | a JSONL path of {id, question, answers}
+    prompt_style='train',        # searchqa: 'train' (bare question) | 'eval' (format instructions)
+    max_obs_tokens=400,          # searchqa: tokens of search results per observation
     train_tasks=0,               # 0 = the gym's default
     eval_tasks=0,
     eval_samples=4,              # sampled episodes per held-out task at each evaluation
@@ -172,17 +177,20 @@ def load_config(argv, defaults=config):
 
 
 def setup_gym(cfg):
-    """Returns a dict: tok, fmt, train_tasks, eval_tasks, make_env(), warm_policy(rng) -> text policy,
-    baselines {name: exact held-out success}, answer_text(task) (memory gyms)."""
-    if cfg['gym'] == 'bugfix':
+    """What train.py needs from a gym, as a dict: tok, fmt, train_tasks, eval_tasks, make_env() -> env,
+    warm_policy(rng) -> scripted text policy (None: no warm start), baselines {name: exact held-out
+    success}, answer_text(task) -> gold answer as the policy writes it (memory gyms)."""
+    name = cfg['gym']
+    if name == 'bugfix':
         import gym
         train_tasks, eval_tasks = gym.make_tasks('train'), gym.make_tasks('heldout')
         tok = gym.build_tokenizer(gym.bugfix_texts(train_tasks + eval_tasks))
-        gym.precompute_results(train_tasks + eval_tasks)
         return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks,
-                    make_env=gym.BugFixEnv, baselines=gym.reference_baselines(eval_tasks),
+                    make_env=lambda: gym.BugFixEnv(cfg['max_turns']),
+                    baselines={k: v for k, v in gym.reference_baselines(eval_tasks, cfg['max_turns']).items()
+                               if k in ('random_calls', 'any_edit')},
                     warm_policy=lambda rng: episode_policy(gym.scripted_policy('warmstart', rng.randrange(1 << 30))))
-    if cfg['gym'] == 'memory':
+    if name == 'memory':
         import gym
         import gym_memory as gm
         train_tasks = gm.make_tasks('train', cfg['train_tasks'] or 2000, seed=cfg['seed'])
@@ -191,7 +199,31 @@ def setup_gym(cfg):
         return dict(tok=tok, fmt=word_format(tok, memory=True), train_tasks=train_tasks, eval_tasks=eval_tasks,
                     make_env=gm.MemoryEnv, baselines={}, answer_text=gm.gold_answer_text,
                     warm_policy=lambda rng: folded_policy(gm.oracle_policy))
-    fail(f"unknown gym '{cfg['gym']}' (bugfix, memory)")
+    if cfg['model'] == 'tiny':
+        fail(f"gym '{name}' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path)")
+    import hf
+    tok = hf.load_tokenizer(cfg['model'])
+    if name == 'searchqa':
+        import gym_search as gs
+        stable, detail = hf.check_prefix_stability(tok, enable_thinking=cfg['enable_thinking'])
+        if not stable and rank() == 0:  # we never re-render: every turn trains in the context it was sampled in
+            print(f'chat template rewrites history ({detail}); contexts are kept per turn as sampled')
+        train_tasks = gs.make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')
+        eval_tasks = gs.make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
+        n_train, n_eval = cfg['train_tasks'] or len(train_tasks), cfg['eval_tasks'] or len(eval_tasks)
+        return dict(tok=tok, fmt=chat_format(tok, enable_thinking=cfg['enable_thinking'], memory=True),
+                    train_tasks=train_tasks[:n_train], eval_tasks=eval_tasks[:n_eval],
+                    make_env=lambda: gs.SearchQAEnv(tok, max_turns=cfg['max_turns'], max_obs_tokens=cfg['max_obs_tokens'],
+                                                    require_think=cfg['enable_thinking'] or cfg['require_think'],
+                                                    prompt_style=cfg['prompt_style']),
+                    baselines={}, warm_policy=None,
+                    answer_text=lambda task: '<answer>' + '; '.join(g[0] for g in task.golds) + '</answer>')
+    if name == 'quixbugs':
+        import gym_quixbugs as gq
+        return dict(tok=tok, fmt=chat_format(tok, tools=gq.tool_schemas(), enable_thinking=cfg['enable_thinking']),
+                    train_tasks=gq.make_tasks('train'), eval_tasks=gq.make_tasks('heldout'),
+                    make_env=lambda: gq.QuixBugsEnv(max_turns=cfg['max_turns']), baselines={}, warm_policy=None)
+    fail(f"unknown gym '{name}' (bugfix, memory, searchqa, quixbugs)")
 
 
 def episode_policy(policy):
@@ -346,7 +378,7 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
                     sums['kl'] += float((kl.detach() * am).sum())
                 loss = (loss_tok * wt).sum()
                 loss.backward()
-                total += float(loss)
+                total += loss.item()
                 with torch.no_grad():
                     pol = am.bool()
                     clipped = ((ratio < 1 - cfg['clip_low']) & (a < 0)) | ((ratio > 1 + cfg['clip_high']) & (a > 0))
@@ -471,7 +503,7 @@ def evaluate(model, gym_, cfg, gen):
 def warm_start(model, gym_, cfg, rng):
     """Cross-entropy on the policy tokens of scripted episodes (tool and template tokens excluded)."""
     n = cfg['warmstart_episodes']
-    if n == 0 or cfg['warmstart_steps'] == 0:
+    if n == 0 or cfg['warmstart_steps'] == 0 or gym_['warm_policy'] is None:
         return None
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
