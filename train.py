@@ -37,6 +37,7 @@ from tqdm import tqdm
 from advantage import grpo_advantage, memory_advantage, token_advantages
 from model import count_params, load_policy, sequence_log_probs
 from rollout import chat_format, collate, memory_rewards, rollout_batch, word_format
+import sample  # curves, episode page, run summary (sample.py imports train only inside its main)
 
 # -----------------------------------------------------------------------------
 # config: every default in one place; a YAML file overrides it; --key=value overrides the file
@@ -68,7 +69,7 @@ config = dict(
     prompt_style='train',        # searchqa: 'train' (bare question) | 'eval' (format instructions)
     max_obs_tokens=400,          # searchqa: tokens of search results per observation
     train_tasks=0,               # 0 = the gym's default
-    eval_tasks=0,
+    eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
     eval_samples=4,              # sampled episodes per held-out task at each evaluation
     # warm start (SFT on scripted episodes)
     warmstart_episodes=512,
@@ -97,6 +98,9 @@ config = dict(
     eval_every=25,
     save_every=25,
     keep_checkpoints=2,
+    tensorboard=False,           # mirror metrics.jsonl to TensorBoard (out_dir/tb) if tensorboard is installed
+    wandb_project='',            # mirror metrics.jsonl to this Weights & Biases project if wandb is installed
+    dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
 )
 TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
 
@@ -185,6 +189,7 @@ def setup_gym(cfg):
         import gym
         train_tasks, eval_tasks = gym.make_tasks('train'), gym.make_tasks('heldout')
         tok = gym.build_tokenizer(gym.bugfix_texts(train_tasks + eval_tasks))
+        eval_tasks = eval_tasks[:cfg['eval_tasks'] or len(eval_tasks)]
         return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks,
                     make_env=lambda: gym.BugFixEnv(cfg['max_turns']),
                     baselines={k: v for k, v in gym.reference_baselines(eval_tasks, cfg['max_turns']).items()
@@ -474,7 +479,9 @@ def episode_metrics(eps, prefix=''):
     n = max(len(eps), 1)
     out = {f'{prefix}reward_mean': sum(e['reward'] for e in eps) / n,
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
-           f'{prefix}truncation_rate': sum(e['stop'] == 'truncated' for e in eps) / n}
+           f'{prefix}truncation_rate': sum(e['stop'] == 'truncated' for e in eps) / n,
+           f'{prefix}tt': sum(e.get('tt', 0) for e in eps) / n,  # tokens processed per episode
+           f'{prefix}pt': sum(e.get('pt', 0) for e in eps) / n}  # mean over episodes of the peak context
     if eps and 'em' in eps[0]:
         by_k = {}
         for e in eps:
@@ -486,10 +493,12 @@ def episode_metrics(eps, prefix=''):
 
 
 @torch.no_grad()
-def evaluate(model, gym_, cfg, gen):
+def evaluate(model, gym_, cfg, step):
     """Held-out success, greedy (one episode per task) and sampled (eval_samples per task); the tasks
-    are sharded over ranks and the episode summaries gathered."""
+    are sharded over ranks and the episode summaries gathered. Sampling uses its own generator, seeded
+    by the step, so evaluating never shifts the training run's random streams."""
     tasks = gym_['eval_tasks'][rank()::world_size()]
+    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] * 7919 + step * 104729 + rank())
     out = {}
     for name, temp, reps in [('greedy', 0.0, 1), ('sampled', cfg['temperature'], cfg['eval_samples'])]:
         trajs = rollout_step(model, gym_, dict(cfg, group_size=reps), tasks, gen, temperature=temp) if tasks else []
@@ -568,6 +577,7 @@ def set_rng_state(state, rng, gen):
 
 
 def main(argv):
+    t_start = time.time()
     cfg = load_config(argv)
     ddp = int(os.environ.get('WORLD_SIZE', '1')) > 1
     if ddp:  # torchrun: one process per device, gloo on CPU, nccl on CUDA
@@ -606,10 +616,11 @@ def main(argv):
         if cfg['kl_coef']:
             ref_model = copy.deepcopy(model).eval()
         start = 0
-        log0 = dict(step=0, **evaluate(model, gym_, cfg, gen), **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
+        log0 = dict(step=0, **evaluate(model, gym_, cfg, 0), **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
         if master:  # step 0: the warm-started policy, before any RL
             with open(metrics_path, 'w') as f:
                 f.write(json.dumps(log0) + '\n')
+            sample.log_external(cfg, log0, 0)
     else:
         model.load_state_dict(state['model'])
         opt.load_state_dict(state['optimizer'])
@@ -649,6 +660,7 @@ def main(argv):
         # 7. log, evaluate, checkpoint
         eps = gather([summarise(t) for t in trajs])
         log = dict(step=step, lr=lr, **episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
+                   tokens=sum(e.get('tt', 0) for e in eps),
                    turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
                    mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps),
                    **{k: all_reduce(v) / world_size() for k, v in mem_stats.items()}, **m)
@@ -656,11 +668,16 @@ def main(argv):
         dt = time.time() - t0
         log.update(step_time_s=dt, tokens_per_s=sum(e.get('tt', 0) for e in eps) / dt)
         if step == cfg['steps'] or (cfg['eval_every'] and step % cfg['eval_every'] == 0):
-            log.update(evaluate(model, gym_, cfg, gen))
+            log.update(evaluate(model, gym_, cfg, step))
             log.update({f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
         if master:
             metrics_file.write(json.dumps(log) + '\n')
             metrics_file.flush()
+            sample.log_external(cfg, log, step)
+            if 'eval_success_rate' in log:  # an eval step: redraw the curves
+                sample.plot_metrics(metrics_path, os.path.join(cfg['out_dir'], sample.CURVES))
+                if cfg['dump_rollouts']:
+                    sample.dump_rollout(os.path.join(cfg['out_dir'], f'rollout_{step:06d}.pt'), trajs, batch, adv, cfg, step)
         if bad_steps >= cfg['max_bad_steps']:
             if master:
                 print(f'stopping at step {step}: {bad_steps} steps in a row had a non-finite loss '
@@ -673,6 +690,12 @@ def main(argv):
                                      rng=dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gens),
                                      ref_model=ref_model.state_dict() if ref_model is not None else None),
                                 cfg['out_dir'], step, cfg['keep_checkpoints'])
+    if master:
+        trajs = sample.run_episodes(model, gym_, cfg, 'heldout', 4)
+        sample.write_html(os.path.join(cfg['out_dir'], sample.EPISODES), trajs, gym_['tok'],
+                          title=f"nanoagent · {cfg['gym']} · step {cfg['steps']} · heldout")
+        sample.plot_metrics(metrics_path, os.path.join(cfg['out_dir'], sample.CURVES))
+        print(sample.run_summary(cfg['out_dir'], cfg, time.time() - t_start))
     if ddp:
         torch.distributed.destroy_process_group()
 

@@ -1,0 +1,244 @@
+import json
+import random
+import sys
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+import gym
+import sample
+import train
+from model import TinyAgent
+from rollout import OWNER, collate, rollout_batch, word_format
+
+OWNER_NAME = {v: k for k, v in OWNER.items()}
+
+
+class Cells(HTMLParser):
+    """Collect every token cell of a page: episodes[k] = list of (attrs, text) in page order."""
+
+    def __init__(self):
+        super().__init__()
+        self.episodes, self.cell, self.in_text, self.scripts = [], None, False, 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.scripts += tag in ('script', 'link', 'img', 'iframe')
+        if tag == 'section' and 'data-episode' in a:
+            self.episodes.append([])
+        elif tag == 'span' and 'data-pos' in a:
+            self.cell = [a, '']
+            self.episodes[-1].append(self.cell)
+        elif tag == 'b' and self.cell is not None:
+            self.in_text = True
+
+    def handle_endtag(self, tag):
+        if tag == 'b':
+            self.in_text = False
+        elif tag == 'span' and self.cell is not None and not self.in_text:
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.in_text:
+            self.cell[1] += data
+
+
+def parse(page):
+    p = Cells()
+    p.feed(page)
+    return p
+
+
+def check_cells(cells, traj, tok):
+    """Every token of the trajectory is one cell, in order, with its id, owner, mask, mem and text."""
+    ids, owner = traj.ids.tolist(), traj.owner.tolist()
+    mask, mem = traj.action_mask.tolist(), traj.mem_mask.tolist()
+    assert len(cells) == len(ids)
+    for j, (a, text) in enumerate(cells):
+        assert int(a['data-pos']) == j and int(a['data-id']) == ids[j]
+        assert a['data-owner'] == OWNER_NAME[owner[j]]
+        assert a['data-mask'] == ('' if j == 0 else str(int(mask[j - 1])))
+        assert a['data-mem'] == ('0' if j == 0 else str(int(mem[j - 1])))
+        assert ('mem' in a['class'].split()) == (a['data-mem'] == '1')
+        assert f"o-{a['data-owner']}" in a['class'].split()
+        assert text == tok.itos[ids[j]]
+        # the invariant the page makes visible: mask 1 exactly on policy tokens
+        assert (a['data-mask'] == '1') == (j > 0 and a['data-owner'] == 'policy')
+
+
+# -----------------------------------------------------------------------------
+# BugFix
+
+
+@pytest.fixture(scope='module')
+def bugfix():
+    tasks = gym.make_tasks('heldout')[:3]
+    tok = gym.build_tokenizer(gym.bugfix_texts(tasks))
+    fmt = word_format(tok)
+    cfg = dict(max_turns=8, max_len=256, max_response_tokens=6, keep_tool_results='all', temperature=1.0)
+    policies = [gym.scripted_policy(kind, 0) for kind in ('tester', 'oracle', 'random')]
+    trajs = rollout_batch([lambda ep, p=p: p(ep.texts, ep.task) for p in policies], fmt,
+                          [gym.BugFixEnv() for _ in tasks], tasks, cfg)
+    torch.manual_seed(0)  # an untrained model: malformed calls, specials written by the policy
+    model = TinyAgent(tok.vocab_size, 1, 2, 32, 256)
+    trajs += rollout_batch(model, fmt, [gym.BugFixEnv()], tasks[:1], cfg,
+                           generator=torch.Generator().manual_seed(0))
+    return tok, trajs
+
+
+def test_html_cells_match_bugfix_trajectory_owner_and_mask(bugfix):
+    tok, trajs = bugfix
+    page = parse(sample.render_html(trajs, tok))
+    assert len(page.episodes) == len(trajs)
+    for cells, t in zip(page.episodes, trajs):
+        check_cells(cells, t, tok)
+    assert {a['data-owner'] for cells in page.episodes for a, _ in cells} == set(OWNER)
+
+
+def test_html_is_self_contained(bugfix):
+    tok, trajs = bugfix
+    page = sample.render_html(trajs, tok)
+    assert page.startswith('<!doctype html>') and '<style>' in page
+    assert parse(page).scripts == 0 and 'http' not in page and '@import' not in page
+
+
+def test_html_shows_reward_and_stop_per_episode(bugfix):
+    tok, trajs = bugfix
+    page = sample.render_html(trajs, tok)
+    for k, t in enumerate(trajs):
+        assert f'data-episode="{k}" data-reward="{t.reward:g}" data-stop="{t.info["stop"]}"' in page
+
+
+def test_print_episode_turn_by_turn(bugfix, capsys):
+    tok, trajs = bugfix
+    sample.print_episode(trajs[1], tok)  # oracle: read, edit, test, submit
+    out = capsys.readouterr().out
+    assert 'prompt (' in out and 'turn 3 · context' in out and 'policy: <call> submit </call>' in out
+    assert 'obs:    def ' in out and 'reward 1 · stop submit' in out
+
+
+# -----------------------------------------------------------------------------
+# memory gym (folded contexts)
+
+
+@pytest.fixture(scope='module')
+def memory():
+    cfg = train.load_config(['--gym=memory', '--keep_tool_results=1', '--max_response_tokens=24', '--max_len=384',
+                             '--train_tasks=16', '--eval_tasks=8', '--out_dir=unused'])
+    g = train.setup_gym(cfg)
+    tasks = g['eval_tasks'][:2]
+    oracle = rollout_batch([g['warm_policy'](random.Random(0)) for _ in tasks], g['fmt'],
+                           [g['make_env']() for _ in tasks], tasks, cfg)
+    torch.manual_seed(0)
+    model = TinyAgent(g['tok'].vocab_size, 1, 2, 32, 384)
+    sampled = sample.run_episodes(model, g, cfg, 'heldout', 3)
+    return cfg, g, model, oracle, sampled
+
+
+def test_html_highlights_mem_spans(memory):
+    cfg, g, _, oracle, _ = memory
+    page = sample.render_html(oracle, g['tok'])
+    assert '.tok.mem' in page  # the highlight has a style
+    for cells, t in zip(parse(page).episodes, oracle):
+        check_cells(cells, t, g['tok'])
+        spans = {}
+        for a, text in cells:
+            if a['data-mem'] == '1':
+                spans.setdefault(int(a['data-turn']), []).append(text)
+        assert sorted(spans) == list(range(len(t.turns)))  # the oracle writes a memory every turn
+        for k, words in spans.items():
+            mem_len = t.turns[k]['mem_len']
+            assert words == [g['tok'].itos[i] for i in t.turns[k]['response'][:mem_len]]
+            assert words[-1] == '</mem>'
+
+
+def test_print_episode_shows_mem(memory, capsys):
+    cfg, g, _, oracle, _ = memory
+    sample.print_episode(oracle[0], g['tok'])
+    out = capsys.readouterr().out
+    assert out.count('  mem:    ') == len(oracle[0].turns) and 'stop answer' in out
+
+
+def test_episode_advantages_map_rows_back_to_full_sequence(memory):
+    """Folded episodes train one row per turn; the sampling log-probs, used as a stand-in advantage,
+    must land back on exactly the positions that hold them in the full sequence."""
+    cfg, g, _, _, sampled = memory
+    batch = collate(sampled, g['fmt'].pad_id)
+    assert len(batch['ids']) > len(sampled)  # really folded
+    adv = sample.episode_advantages(sampled, batch, batch['sample_logp'])
+    for a, t in zip(adv, sampled):
+        assert torch.equal(a, t.sample_logp * t.action_mask)
+
+
+def test_html_with_advantages(memory):
+    cfg, g, _, _, sampled = memory
+    adv = [torch.linspace(-1, 1, len(t.ids) - 1) * t.action_mask for t in sampled]
+    for cells, t, a in zip(parse(sample.render_html(sampled, g['tok'], adv)).episodes, sampled, adv):
+        check_cells(cells, t, g['tok'])
+        assert 'data-adv' not in cells[0][0]
+        for j, (attrs, _) in enumerate(cells[1:], 1):
+            assert float(attrs['data-adv']) == pytest.approx(float(a[j - 1]), abs=1e-5)
+
+
+def test_cli_checkpoint_and_rollout_dump(memory, tmp_path, capsys):
+    cfg, g, model, _, sampled = memory
+    cfg = dict(cfg, out_dir=str(tmp_path), n_layer=1, n_head=2, n_embd=32)
+    train.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=7, config=cfg), str(tmp_path), 7, 1)
+    html = tmp_path / 'ep.html'
+    sample.main([f'--out_dir={tmp_path}', '--n=2', '--greedy', f'--html={html}'])
+    out = capsys.readouterr().out
+    assert 'ckpt_000007.pt (step 7)' in out and out.count('=== task') == 2 and html.exists()
+    batch = collate(sampled, g['fmt'].pad_id)
+    dump = sample.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
+    sample.main([f'--metrics_rollout={dump}', f'--html={html}'])
+    assert 'step 7, 3 episodes' in capsys.readouterr().out
+    cells = parse(html.read_text()).episodes
+    assert len(cells) == 3 and all('data-adv' in a for a, _ in cells[0][1:])
+
+
+# -----------------------------------------------------------------------------
+# curves, external loggers, summary
+
+
+def write_metrics(path):
+    lines = [dict(step=0, eval_success_rate=0.1, eval_greedy_success=0.2, eval_baseline_tester=0.8,
+                  eval_baseline_random_calls=0.05)]
+    for s in range(1, 11):
+        lines.append(dict(step=s, reward_mean=s / 10, success_rate=s / 20, kl=None, entropy=2 - s / 10,
+                          clip_frac=0.01 * s, truncation_rate=0.5 / s, logp_gap_max=0.0 if s == 3 else 1e-7,
+                          turns_mean=4.0, tokens_per_s=1000.0, step_time_s=2.0))
+    lines[5].update(eval_success_rate=0.4, eval_greedy_success=0.5, eval_pt=40.0, eval_tt=300.0, pt=38.0, tt=290.0)
+    lines[10].update(eval_success_rate=0.3, eval_greedy_success=0.6)
+    path.write_text(''.join(json.dumps(l) + '\n' for l in lines) + '{"step": 11, "rew')  # killed mid-line
+
+
+def test_plot_metrics_writes_png(tmp_path):
+    pytest.importorskip('matplotlib')
+    write_metrics(tmp_path / 'metrics.jsonl')
+    png = tmp_path / 'curves.png'
+    assert sample.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(png)) == str(png)
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10_000
+
+
+def test_plot_metrics_without_matplotlib(tmp_path, monkeypatch, capsys):
+    write_metrics(tmp_path / 'metrics.jsonl')
+    monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)  # import now raises ImportError
+    assert sample.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None
+    assert 'matplotlib is not installed' in capsys.readouterr().out and not (tmp_path / 'c.png').exists()
+
+
+def test_run_summary_mentions_paths_and_best_score(tmp_path):
+    write_metrics(tmp_path / 'metrics.jsonl')
+    (tmp_path / 'ckpt_000010.pt').write_bytes(b'')
+    (tmp_path / sample.CURVES).write_bytes(b'')
+    s = sample.run_summary(str(tmp_path), dict(train.config, steps=10), 125.0)
+    assert f"{tmp_path / 'ckpt_000010.pt'}" in s and f"{tmp_path / 'metrics.jsonl'}" in s
+    assert f"{tmp_path / sample.CURVES}" in s and f"{tmp_path / sample.EPISODES}  (missing)" in s
+    assert 'steps        10 / 10' in s and '2m 5s' in s and '0.02M processed' in s
+    assert 'eval_success_rate    0.400 at step 5' in s and 'eval_greedy_success  0.600 at step 10' in s
+
+
+def test_log_external_is_a_no_op_unless_asked(tmp_path):
+    sample.log_external(dict(train.config, out_dir=str(tmp_path)), dict(step=1, reward_mean=0.5), 1)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,88 @@
+"""End-to-end runs of train.py in subprocesses: determinism, resume, SIGKILL, corrupt checkpoints."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = ('step_time_s', 'tokens_per_s')
+SMALL = ['--gym=bugfix', '--warmstart_episodes=32', '--warmstart_steps=10', '--batch_size=2', '--group_size=4',
+         '--eval_every=2', '--eval_tasks=4', '--eval_samples=1', '--threads=1', '--n_embd=32', '--max_len=192']
+
+
+def train(out_dir, *args, check=True, wait=True):
+    cmd = [sys.executable, 'train.py', *SMALL, f'--out_dir={out_dir}', *args]
+    env = dict(os.environ, HF_HUB_OFFLINE='1')
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stderr[-2000:]
+    return p
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp('ref')
+    train(out, '--steps=6', '--save_every=1')
+    return metrics(out)
+
+
+def test_same_seed_same_metrics_on_cpu(reference, tmp_path):
+    train(tmp_path, '--steps=6', '--save_every=1')
+    assert metrics(tmp_path) == reference
+    assert len(reference) == 7 and reference[0]['step'] == 0 and 'eval_baseline_any_edit' in reference[0]
+    for key in ('reward_mean', 'success_rate', 'truncation_rate', 'logp_gap_max', 'ratio_dev_first_minibatch',
+                'clip_frac', 'entropy', 'loss', 'grad_norm'):
+        assert key in reference[1]
+    assert all(m['logp_gap_max'] <= 1e-5 and m['ratio_dev_first_minibatch'] <= 1e-5 for m in reference[1:])
+    ckpt = torch.load(sorted((tmp_path).glob('ckpt_*.pt'))[-1], weights_only=False)
+    assert {'model', 'optimizer', 'rng', 'step', 'config'} <= set(ckpt) and ckpt['config']['steps'] == 6
+
+
+def test_stop_and_resume_logs_the_same_metrics(reference, tmp_path):
+    train(tmp_path, '--steps=4', '--save_every=1')  # stops at an eval step, as the reference evaluates there
+    p = train(tmp_path, '--steps=6', '--save_every=1', '--resume=True')
+    assert 'resumed from' in p.stdout
+    assert metrics(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_loses_only_steps_since_checkpoint(reference, tmp_path):
+    rng = random.Random(0)
+    for attempt in range(3):
+        out = tmp_path / f'run{attempt}'
+        proc = train(out, '--steps=6', '--save_every=1', wait=False)
+        target = rng.randint(2, 5)  # kill once this many lines are logged, after a random extra delay
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            path = out / 'metrics.jsonl'
+            if path.exists() and len(path.read_text().splitlines()) >= target:
+                time.sleep(rng.uniform(0, 1.5))
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        train(out, '--steps=6', '--save_every=1', '--resume=True')
+        assert metrics(out) == reference, f'attempt {attempt}'
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
+    train(tmp_path, '--steps=4', '--save_every=1', '--keep_checkpoints=3')
+    newest = sorted(tmp_path.glob('ckpt_*.pt'))[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
+    p = train(tmp_path, '--steps=6', '--save_every=1', '--resume=True')
+    assert f'checkpoint {newest} is corrupt' in p.stderr
+    assert 'resumed from' in p.stdout and 'ckpt_000003.pt' in p.stdout
+    assert metrics(tmp_path) == reference
