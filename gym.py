@@ -333,29 +333,56 @@ class Task:
     hidden: tuple        # public + extra argument tuples
 
 
-def make_task(tpl, seed, variant):
+def make_task(tpl, seed, variant, bug=None):
     """One deterministic variant of a template: names, constant and issue wording drawn from a
-    string-seeded RNG (stable across processes, unlike hash())."""
+    string-seeded RNG (stable across processes, unlike hash()). bug: the op injected (default the
+    template's own); ops are involutions, so the same op repairs it."""
     rng = random.Random(f'bugfix:{seed}:{tpl.name}:{variant}')
     a, b, c = rng.sample(SCALARS, 3)
     i, e = rng.sample(LOOPS, 2)
     names = dict(f=rng.choice(FN_NAMES), a=a, b=b, c=c, xs=rng.choice(LISTS), i=i, e=e, s=rng.choice(ACCS),
                  K=rng.choice(tpl.consts))
     fixed = tpl.code.format(**names)
-    source = apply_op(fixed, tpl.bug)
-    assert source is not None and apply_op(source, tpl.bug) == fixed, tpl.name
+    bug = bug or tpl.bug
+    source = apply_op(fixed, bug)
+    assert source is not None and apply_op(source, bug) == fixed, tpl.name
     return Task(id=f'{tpl.name}/{seed}/{variant}', template=tpl.name, fn=names['f'],
-                issue=rng.choice(ISSUES).format(f=names['f']), source=source, fixed=fixed, bug=tpl.bug,
+                issue=rng.choice(ISSUES).format(f=names['f']), source=source, fixed=fixed, bug=bug,
                 public=tpl.public, hidden=tpl.public + tpl.extra)
+
+
+def _involutive_ops(fixed):
+    return [op for op in EDIT_OPS if (src := apply_op(fixed, op)) is not None and apply_op(src, op) == fixed]
+
+
+def bug_ops(tpl, seed, variant):
+    """Ops that make a real bug in this variant: they have a site in the correct source, undo
+    themselves, and break at least one public case (so `test` can show it) -> list[str]. The
+    template's own bug comes first. Runs the cases in the sandbox (cached)."""
+    fixed = make_task(tpl, seed, variant).fixed
+    ops = _involutive_ops(fixed)
+    want = run_cases(fixed, tpl.public)
+    broken = [op for op in ops if run_cases(apply_op(fixed, op), tpl.public) != want]
+    return sorted(broken, key=lambda op: op != tpl.bug)
 
 
 def make_tasks(split, seed=0, n_variants=N_VARIANTS):
     """split 'train' | 'heldout' | 'all' -> list[Task], n_variants per template, deterministic in seed.
-    Held-out templates (HELDOUT) never appear in 'train'. Raises ValueError on an unknown split."""
+    Held-out templates (HELDOUT) never appear in 'train'. The variants of one template cycle through
+    its bug_ops, so a function's name or shape does not tell which edit repairs it: the policy has to
+    read the test results. Raises ValueError on an unknown split."""
     if split not in ('train', 'heldout', 'all'):
         raise ValueError(f'unknown split {split!r}')
     tpls = [t for t in TEMPLATES if split == 'all' or (t.name in HELDOUT) == (split == 'heldout')]
-    return [make_task(t, seed, v) for t in tpls for v in range(n_variants)]
+    drafts = [make_task(t, seed, v, op) for t in tpls for v in range(n_variants)
+              for op in _involutive_ops(make_task(t, seed, v).fixed)]
+    precompute_results(drafts)  # one sandbox process for every candidate bug of every variant
+    tasks = []
+    for t in tpls:
+        for v in range(n_variants):
+            ops = bug_ops(t, seed, v)
+            tasks.append(make_task(t, seed, v, ops[v % len(ops)]))
+    return tasks
 
 
 # -----------------------------------------------------------------------------

@@ -9,5 +9,3 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-def pytest_configure(config):
-    config.addinivalue_line('markers', 'slow: slower end-to-end test (still runs in CI)')

@@ -170,18 +170,20 @@ def test_step_never_raises_on_arbitrary_text(texts):
 
 
 def test_results_are_cached(monkeypatch):
+    task = gym.make_tasks('heldout', seed=7, n_variants=1)[0]  # runs the candidate bugs' cases itself
     calls = []
     real = sandbox.run_python
     monkeypatch.setattr(sandbox, 'run_python', lambda *a, **k: calls.append(1) or real(*a, **k))
-    task = gym.make_tasks('heldout', seed=7, n_variants=1)[0]
-    assert gym.precompute_results([task]) > 0 and len(calls) == 1
+    gym.precompute_results([task])  # what make_tasks did not run yet: at most one process
+    assert len(calls) <= 1
+    n = len(calls)
     assert gym.precompute_results([task]) == 0
     env = gym.BugFixEnv()
     env.reset(task)
     for op in gym.EDIT_OPS:
         env.step(f'<call> edit {op} </call>')
         env.step('<call> test </call>')
-    assert len(calls) == 1
+    assert len(calls) == n
 
 
 def test_infinite_loop_and_exception_are_errors_not_hangs():
