@@ -690,6 +690,9 @@ def main(argv):
                                      rng=dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gens),
                                      ref_model=ref_model.state_dict() if ref_model is not None else None),
                                 cfg['out_dir'], step, cfg['keep_checkpoints'])
+    if master and cfg['model'] != 'tiny':  # a trained HF policy that transformers or vLLM can load and serve
+        model.save_pretrained(os.path.join(cfg['out_dir'], 'hf'), safe_serialization=True)
+        gym_['tok'].save_pretrained(os.path.join(cfg['out_dir'], 'hf'))
     if master:
         trajs = sample.run_episodes(model, gym_, cfg, 'heldout', 4)
         sample.write_html(os.path.join(cfg['out_dir'], sample.EPISODES), trajs, gym_['tok'],
