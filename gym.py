@@ -692,15 +692,15 @@ def _tester(rng, task):
 
 
 def _warmstart(rng, task):
-    """Sensible order without knowing the repair: read, random applicable edit, usually test, then
-    (whatever the test said) submit or undo and try another op. It does not condition on the test
-    result: learning to do so is left to RL."""
+    """Sensible order without knowing the repair: read, a random applicable edit, test, then (whatever
+    the test said) submit or undo and try another op. It does not condition on the test result:
+    learning to do so is left to RL. It always tests: a warm start that sometimes submits untested
+    lets RL settle on 'edit, submit' (the any-edit baseline) before it learns to read the tests."""
     ops = applicable_ops((yield _call('read')))
     rng.shuffle(ops)
     for n, op in enumerate(ops):
         yield _call('edit', op)
-        if rng.random() < 0.8:
-            yield _call('test')
+        yield _call('test')
         if n == len(ops) - 1 or rng.random() < 0.5:
             break
         yield _call('undo')

@@ -193,6 +193,14 @@ def sample_next(logits, temperature=1.0, generator=None):
     return ids, logp_all.gather(-1, ids[:, None]).squeeze(-1)
 
 
+def autocast(cfg):
+    """bf16 autocast on CUDA when cfg['dtype'] == 'bfloat16' (parameters and optimizer stay float32);
+    a no-op elsewhere. The logp_gap_max <= 1e-5 invariant is a float32 one: in bf16 expect ~1e-2."""
+    if str(cfg.get('device', 'cpu')).startswith('cuda') and cfg.get('dtype') == 'bfloat16':
+        return torch.autocast('cuda', dtype=torch.bfloat16)
+    return torch.autocast('cpu', enabled=False)
+
+
 def count_params(model):
     return sum(p.numel() for p in model.parameters())
 
@@ -220,4 +228,7 @@ def load_policy(cfg, vocab_size=None):
         if cfg['grad_checkpointing']:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False  # the training forward; rollouts pass use_cache=True themselves
+    if cfg['compile']:  # compile each block in place: the model keeps its type and its methods
+        for block in (model.blocks if cfg['model'] == 'tiny' else model.base_model.layers):
+            block.compile(dynamic=True)
     return model.to(cfg['device'])

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from model import forward_cached, position_ids_from_mask, sample_next, select_cache, sequence_log_probs
+from model import autocast, forward_cached, position_ids_from_mask, sample_next, select_cache, sequence_log_probs
 
 OWNER = {'template': 0, 'prompt': 1, 'policy': 2, 'tool': 3}
 
@@ -343,8 +343,9 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
         if not active:
             break
         if isinstance(policy, torch.nn.Module):
-            responses, logps = generate(policy, [c[0] for c in contexts], fmt.stop_ids, cfg['max_response_tokens'],
-                                        temperature, generator, fmt.pad_id)
+            with autocast(cfg):
+                responses, logps = generate(policy, [c[0] for c in contexts], fmt.stop_ids, cfg['max_response_tokens'],
+                                            temperature, generator, fmt.pad_id)
         else:
             responses = [fmt.encode(policy[i](eps[i]))[:cfg['max_response_tokens']] for i in active]
             logps = [[0.0] * len(r) for r in responses]

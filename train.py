@@ -35,7 +35,7 @@ import yaml
 from tqdm import tqdm
 
 from advantage import grpo_advantage, memory_advantage, token_advantages
-from model import count_params, load_policy, sequence_log_probs
+from model import autocast, count_params, load_policy, sequence_log_probs
 from rollout import chat_format, collate, memory_rewards, rollout_batch, word_format
 import sample  # curves, episode page, run summary (sample.py imports train only inside its main)
 
@@ -207,14 +207,14 @@ def setup_gym(cfg):
     if cfg['model'] == 'tiny':
         fail(f"gym '{name}' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path)")
     import hf
-    tok = hf.load_tokenizer(cfg['model'])
     if name == 'searchqa':
         import gym_search as gs
+        train_tasks = gs.make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
+        eval_tasks = gs.make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
+        tok = hf.load_tokenizer(cfg['model'])
         stable, detail = hf.check_prefix_stability(tok, enable_thinking=cfg['enable_thinking'])
         if not stable and rank() == 0:  # we never re-render: every turn trains in the context it was sampled in
             print(f'chat template rewrites history ({detail}); contexts are kept per turn as sampled')
-        train_tasks = gs.make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')
-        eval_tasks = gs.make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
         n_train, n_eval = cfg['train_tasks'] or len(train_tasks), cfg['eval_tasks'] or len(eval_tasks)
         return dict(tok=tok, fmt=chat_format(tok, enable_thinking=cfg['enable_thinking'], memory=True),
                     train_tasks=train_tasks[:n_train], eval_tasks=eval_tasks[:n_eval],
@@ -225,6 +225,7 @@ def setup_gym(cfg):
                     answer_text=lambda task: '<answer>' + '; '.join(g[0] for g in task.golds) + '</answer>')
     if name == 'quixbugs':
         import gym_quixbugs as gq
+        tok = hf.load_tokenizer(cfg['model'])
         return dict(tok=tok, fmt=chat_format(tok, tools=gq.tool_schemas(), enable_thinking=cfg['enable_thinking']),
                     train_tasks=gq.make_tasks('train'), eval_tasks=gq.make_tasks('heldout'),
                     make_env=lambda: gq.QuixBugsEnv(max_turns=cfg['max_turns']), baselines={}, warm_policy=None)
@@ -457,12 +458,6 @@ def gather(items):
     return [x for part in out for x in part]
 
 
-def autocast(cfg):
-    if cfg['device'].startswith('cuda') and cfg['dtype'] == 'bfloat16':
-        return torch.autocast('cuda', dtype=torch.bfloat16)
-    return torch.autocast('cpu', enabled=False)
-
-
 # -----------------------------------------------------------------------------
 # evaluation and warm start
 
@@ -596,7 +591,12 @@ def main(argv):
     rng = random.Random(cfg['seed'])  # the same on every rank: all ranks draw the same tasks
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] + rank())  # sampling differs per rank
 
-    gym_ = setup_gym(cfg)
+    try:  # bad data stops the run here, in one line, before any training
+        gym_ = setup_gym(cfg)
+    except (OSError, ValueError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if not gym_['train_tasks'] or not gym_['eval_tasks']:
+        fail(f"gym '{cfg['gym']}' has an empty {'train' if not gym_['train_tasks'] else 'held-out'} split")
     model = load_policy(cfg, gym_['tok'].vocab_size)
     if master:
         print(f"policy: {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters, gym {cfg['gym']}: "

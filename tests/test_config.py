@@ -45,3 +45,20 @@ def test_config_order_defaults_file_cli(tmp_path):
     assert cfg['steps'] == 9 and cfg['lr'] == 1.0 and isinstance(cfg['lr'], float)
     assert cfg['keep_tool_results'] == 1 and cfg['batch_size'] == config['batch_size']
     assert load_config(['--keep_tool_results=all'])['keep_tool_results'] == 'all'
+
+
+@pytest.mark.parametrize('content, needle', [
+    (None, 'no such file'),
+    ('{"id": "a", "question": "q?", "answers": ["x"]}\n{"id": "b", "question": \n', 'bad.jsonl:2'),
+    ('{"id": "a", "question": "q?", "answers": []}\n', 'bad.jsonl:1'),
+    ('', 'bad.jsonl'),
+])
+def test_bad_data_stops_before_training_with_one_line(tmp_path, content, needle):
+    path = tmp_path / 'bad.jsonl'
+    if content is not None:
+        path.write_text(content)
+    p = run_train('--gym=searchqa', '--model=tiny-qwen3', f'--data={path}', f'--out_dir={tmp_path / "out"}')
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith('error: '), p.stderr
+    assert not (tmp_path / 'out' / 'metrics.jsonl').exists()
