@@ -88,3 +88,13 @@ def test_invalid_episodes_get_zero_weight():
     adv2[batch['row_episode'] < 4] = 123.0  # anything on invalid episodes must not matter
     g2 = grads_after(model, batch, adv2, cfg, 10 ** 9, 'token-mean')
     assert torch.allclose(g1, g2)
+
+
+def test_non_finite_loss_skips_the_optimizer_step():
+    model, batch, adv, cfg = setup(keep='all', n=8)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch['sample_logp'][0, :] = float('nan')  # poisons the loss of the mini-batch holding episode 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    m = ppo_update(model, opt, batch, adv, None, dict(cfg, mini_batches=1), random.Random(0))
+    assert m['bad_steps'] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing reached the weights
