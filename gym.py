@@ -368,20 +368,25 @@ def bug_ops(tpl, seed, variant):
 
 def make_tasks(split, seed=0, n_variants=N_VARIANTS):
     """split 'train' | 'heldout' | 'all' -> list[Task], n_variants per template, deterministic in seed.
-    Held-out templates (HELDOUT) never appear in 'train'. The variants of one template cycle through
-    its bug_ops, so a function's name or shape does not tell which edit repairs it: the policy has to
-    read the test results. Raises ValueError on an unknown split."""
+    Held-out templates (HELDOUT) never appear in 'train'. Each variant's bug is the one of its
+    template's bug_ops used least so far (by the template, then overall), so a function's name or shape does not tell which edit
+    repairs it (the policy has to read the tests) and no op dominates. Raises ValueError on an
+    unknown split."""
     if split not in ('train', 'heldout', 'all'):
         raise ValueError(f'unknown split {split!r}')
     tpls = [t for t in TEMPLATES if split == 'all' or (t.name in HELDOUT) == (split == 'heldout')]
     drafts = [make_task(t, seed, v, op) for t in tpls for v in range(n_variants)
               for op in _involutive_ops(make_task(t, seed, v).fixed)]
     precompute_results(drafts)  # one sandbox process for every candidate bug of every variant
-    tasks = []
-    for t in tpls:
-        for v in range(n_variants):
-            ops = bug_ops(t, seed, v)
-            tasks.append(make_task(t, seed, v, ops[v % len(ops)]))
+    tasks, count = [], dict.fromkeys(EDIT_OPS, 0)
+    used = {t.name: dict.fromkeys(EDIT_OPS, 0) for t in tpls}
+    for v in range(n_variants):
+        for t in tpls:  # the op least used by this template, then overall: variety, and no op dominates
+            op = min(bug_ops(t, seed, v), key=lambda o: (used[t.name][o], count[o]))
+            used[t.name][op] += 1
+            count[op] += 1
+            tasks.append(make_task(t, seed, v, op))
+    tasks.sort(key=lambda task: tpls.index(next(t for t in tpls if t.name == task.template)))
     return tasks
 
 
