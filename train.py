@@ -518,6 +518,11 @@ def warm_start(model, gym_, cfg, rng):
     R = len(batch['ids'])
     losses = []
     for it in range(cfg['warmstart_steps']):
+        # 30-step ramp, then cosine decay to 10%: the scripted targets are deterministic, and at a
+        # constant lr the loss stays noisy (memory gym: 0.17 vs 0.08; step-0 EM at k=2 0.32 vs 0.69)
+        frac = it / cfg['warmstart_steps']
+        for g in opt.param_groups:
+            g['lr'] = cfg['warmstart_lr'] * min(1.0, (it + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         idx = torch.tensor([rng.randrange(R) for _ in range(cfg['warmstart_batch_size'])])
         L = int(batch['attention_mask'][idx].sum(1).max())
         am = batch['action_mask'][idx, :L - 1].to(cfg['device'])

@@ -1,0 +1,154 @@
+"""
+MemPO ablation on the memory gym: three agents, several seeds, one table.
+
+    python ablate.py                      # full: 3 variants x 3 seeds of config/tiny_mem.yaml (hours on 2 CPU cores)
+    python ablate.py --quick              # 1 seed, short runs: checks the pipeline end to end (minutes)
+    python ablate.py --seeds=1,2 --steps=40 --out=out/ablate2   # any --key=value goes to every train.py run
+
+Variants (everything else from the config file):
+  mempo      folding (keep_tool_results=1) + memory advantage (mem_coef from the config, > 0)
+  grpo_fold  folding, outcome advantage only (mem_coef=0)
+  grpo_full  full history (keep_tool_results=all), outcome advantage only
+Each run is `python train.py CONFIG --key=value ...` in its own process and out_dir (one at a time:
+the runs are CPU-bound). Its last evaluation line in metrics.jsonl is the result: held-out EM, F1,
+tokens processed per episode (TT) and mean peak context (PT), per number of objectives k. The table
+(mean +- std over seeds) is printed in markdown and written with the per-run numbers to
+OUT/ablation.json. A run whose metrics already hold the final step is not run again (--rerun forces it).
+
+Flags of this script: --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4 --rerun --dry_run.
+
+Simplifications, on purpose:
+1. Runs are sequential subprocesses: no scheduler, no parallelism (two cores are the target machine).
+2. Seeds change the training draw, the initialisation and the held-out worlds together.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from sample import read_metrics
+
+VARIANTS = {  # name -> overrides on top of the config file
+    'mempo': [],
+    'grpo_fold': ['--mem_coef=0'],
+    'grpo_full': ['--keep_tool_results=all', '--mem_coef=0'],
+}
+QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
+METRICS = ('em', 'f1', 'tt', 'pt')
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    """Split argv into this script's options (dict) and the --key=value list passed to train.py."""
+    opts = dict(quick=False, seeds='1,2,3', out='out/ablate', config='config/tiny_mem.yaml', ks='1,2,4',
+                rerun=False, dry_run=False)
+    passthrough = []
+    for arg in argv:
+        key, eq, val = arg.lstrip('-').partition('=')
+        if arg.startswith('--') and key in opts:
+            opts[key] = val if eq else True
+        else:
+            passthrough.append(arg)
+    if opts['quick'] and not any(a.startswith('--seeds=') for a in argv):
+        opts['seeds'] = '1'
+    opts['seeds'] = [int(s) for s in str(opts['seeds']).split(',')]
+    opts['ks'] = [int(k) for k in str(opts['ks']).split(',')]
+    return opts, passthrough
+
+
+def run_dir(out, variant, seed):
+    return os.path.join(out, f'{variant}_s{seed}')
+
+
+def final_eval(metrics_path):
+    """The last metrics line that carries held-out evaluation numbers, or None."""
+    if not os.path.exists(metrics_path):
+        return None
+    rows = [r for r in read_metrics(metrics_path) if 'eval_em' in r]
+    return rows[-1] if rows else None
+
+
+def mean_std(xs):
+    """(mean, population std) of a non-empty list of floats; (nan, nan) when empty."""
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def aggregate(results, ks):
+    """results: {variant: [final eval dict per seed]} -> {variant: {f'{metric}_k{k}': (mean, std), 'steps', 'seeds'}}.
+    A k absent from a run's held-out draw is skipped for that run."""
+    out = {}
+    for variant, runs in results.items():
+        agg = dict(seeds=len(runs), steps=max((r['step'] for r in runs), default=0))
+        for k in ks:
+            for m in METRICS:
+                agg[f'{m}_k{k}'] = mean_std([r[f'eval_{m}_k{k}'] for r in runs if f'eval_{m}_k{k}' in r])
+        out[variant] = agg
+    return out
+
+
+def fmt(ms, digits):
+    m, s = ms
+    if m != m:
+        return '-'
+    return f'{m:.{digits}f}' if s == 0 or s != s else f'{m:.{digits}f} ± {s:.{digits}f}'
+
+
+def markdown_table(agg, ks):
+    """One row per (variant, k): EM and F1 in [0, 1], TT and PT in tokens, mean ± std over seeds."""
+    lines = ['| variant | k | EM | F1 | TT (tokens) | PT (tokens) | steps | seeds |',
+             '|---|---|---|---|---|---|---|---|']
+    for variant, a in agg.items():
+        for k in ks:
+            lines.append(f"| {variant} | {k} | {fmt(a[f'em_k{k}'], 3)} | {fmt(a[f'f1_k{k}'], 3)} | "
+                         f"{fmt(a[f'tt_k{k}'], 0)} | {fmt(a[f'pt_k{k}'], 0)} | {a['steps']} | {a['seeds']} |")
+    if 'mempo' in agg and 'grpo_full' in agg:
+        k = max(ks)
+        ratio = agg['mempo'][f'pt_k{k}'][0] / agg['grpo_full'][f'pt_k{k}'][0] if agg['grpo_full'][f'pt_k{k}'][0] else math.nan
+        gap = agg['mempo'][f'em_k{k}'][0] - agg['grpo_full'][f'em_k{k}'][0]
+        lines.append('')
+        lines.append(f'k={k}: MemPO peak context / full history = {ratio:.2f}; EM difference (MemPO - full) = {gap:+.3f}')
+    return '\n'.join(lines)
+
+
+def main(argv):
+    opts, passthrough = parse_args(argv)
+    extra = (QUICK if opts['quick'] else []) + passthrough
+    results = {}
+    for variant, overrides in VARIANTS.items():
+        results[variant] = []
+        for seed in opts['seeds']:
+            d = run_dir(opts['out'], variant, seed)
+            cmd = [sys.executable, 'train.py', opts['config'], *overrides, f'--seed={seed}', f'--out_dir={d}', *extra]
+            print(' '.join(cmd[1:]), flush=True)
+            if opts['dry_run']:
+                continue
+            last = final_eval(os.path.join(d, 'metrics.jsonl'))
+            cfg_path = os.path.join(d, 'config.json')
+            done = last is not None and os.path.exists(cfg_path) and last['step'] == json.load(open(cfg_path))['steps']
+            if opts['rerun'] or not done:
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)  # its progress bar stays on stderr
+                last = final_eval(os.path.join(d, 'metrics.jsonl'))
+            results[variant].append(dict(last, out_dir=d))
+    if opts['dry_run']:
+        return None
+    agg = aggregate(results, opts['ks'])
+    table = markdown_table(agg, opts['ks'])
+    print(table)
+    os.makedirs(opts['out'], exist_ok=True)
+    path = os.path.join(opts['out'], 'ablation.json')
+    with open(path, 'w') as f:
+        json.dump(dict(config=opts['config'], seeds=opts['seeds'], extra_args=extra, table=table,
+                       aggregate={v: {k: list(x) if isinstance(x, tuple) else x for k, x in a.items()} for v, a in agg.items()},
+                       runs=results), f, indent=1)
+    print(f'wrote {path}')
+    return agg
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,54 @@
+import json
+import math
+
+import ablate
+
+
+def _write_run(tmp_path, variant, seed, em_k2, pt_k4, steps=5):
+    d = tmp_path / f'{variant}_s{seed}'
+    d.mkdir()
+    rows = [dict(step=0, eval_em=0.0, eval_em_k2=0.0, eval_pt_k4=1.0),
+            dict(step=steps, loss=0.1),  # a train-only line: not an eval line
+            dict(step=steps, eval_em=0.5, eval_em_k1=1.0, eval_f1_k1=1.0, eval_tt_k1=10.0, eval_pt_k1=5.0,
+                 eval_em_k2=em_k2, eval_f1_k2=em_k2, eval_tt_k2=20.0, eval_pt_k2=6.0,
+                 eval_em_k4=0.25, eval_f1_k4=0.25, eval_tt_k4=40.0, eval_pt_k4=pt_k4)]
+    (d / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows) + '{"step": 9, "eval_em"')  # torn line
+    (d / 'config.json').write_text(json.dumps(dict(steps=steps)))
+
+
+def test_parse_args_splits_own_flags_from_train_overrides():
+    opts, rest = ablate.parse_args(['--quick', '--out=/x', '--steps=3', 'config/other.yaml'])
+    assert opts['quick'] and opts['out'] == '/x' and opts['seeds'] == [1] and opts['ks'] == [1, 2, 4]
+    assert rest == ['--steps=3', 'config/other.yaml']
+    assert ablate.parse_args(['--seeds=4,5'])[0]['seeds'] == [4, 5]
+
+
+def test_final_eval_takes_last_complete_eval_line(tmp_path):
+    _write_run(tmp_path, 'mempo', 1, 0.75, 60.0)
+    last = ablate.final_eval(str(tmp_path / 'mempo_s1' / 'metrics.jsonl'))
+    assert last['step'] == 5 and last['eval_em_k2'] == 0.75
+    assert ablate.final_eval(str(tmp_path / 'missing.jsonl')) is None
+
+
+def test_aggregate_mean_and_population_std_over_seeds():
+    runs = {'mempo': [dict(step=5, eval_em_k2=0.5, eval_pt_k2=10.0), dict(step=5, eval_em_k2=1.0, eval_pt_k2=20.0)]}
+    a = ablate.aggregate(runs, [2, 4])['mempo']
+    assert a['em_k2'] == (0.75, 0.25) and a['pt_k2'] == (15.0, 5.0) and a['seeds'] == 2 and a['steps'] == 5
+    assert all(math.isnan(x) for x in a['em_k4'])  # k absent from the draw: no number, no crash
+
+
+def test_main_reuses_finished_runs_and_writes_table_and_json(tmp_path, capsys):
+    for v, pt in [('mempo', 60.0), ('grpo_fold', 62.0), ('grpo_full', 240.0)]:
+        _write_run(tmp_path, v, 1, 0.75, pt)
+    agg = ablate.main([f'--out={tmp_path}', '--seeds=1'])  # finished runs: no train.py is started
+    out = capsys.readouterr().out
+    assert '| mempo | 2 | 0.750 |' in out and 'full history = 0.25' in out
+    saved = json.loads((tmp_path / 'ablation.json').read_text())
+    assert saved['aggregate']['grpo_full']['pt_k4'] == [240.0, 0.0] and agg['mempo']['em_k1'] == (1.0, 0.0)
+
+
+def test_dry_run_prints_one_command_per_variant_and_seed(tmp_path, capsys):
+    ablate.main([f'--out={tmp_path}', '--seeds=1,2', '--dry_run', '--steps=3'])
+    cmds = capsys.readouterr().out.strip().splitlines()
+    assert len(cmds) == 6 and all('--steps=3' in c for c in cmds)
+    assert sum('--keep_tool_results=all' in c for c in cmds) == 2 and sum('--mem_coef=0' in c for c in cmds) == 4
