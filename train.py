@@ -69,6 +69,7 @@ config = dict(
     prompt_style='train',        # searchqa: 'train' (bare question) | 'eval' (format instructions)
     max_obs_tokens=400,          # searchqa: tokens of search results per observation
     train_tasks=0,               # 0 = the gym's default
+    train_variants=24,           # bugfix: variants per training function (names, constants, which op broke it)
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
     eval_samples=4,              # sampled episodes per held-out task at each evaluation
     # warm start (SFT on scripted episodes)
@@ -187,7 +188,8 @@ def setup_gym(cfg):
     name = cfg['gym']
     if name == 'bugfix':
         import gym
-        train_tasks, eval_tasks = gym.make_tasks('train'), gym.make_tasks('heldout')
+        train_tasks = gym.make_tasks('train', n_variants=cfg['train_variants'])
+        eval_tasks = gym.make_tasks('heldout')
         tok = gym.build_tokenizer(gym.bugfix_texts(train_tasks + eval_tasks))
         eval_tasks = eval_tasks[:cfg['eval_tasks'] or len(eval_tasks)]
         return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks,
