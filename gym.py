@@ -169,9 +169,17 @@ def apply_op(source, op):
 
 
 def applicable_ops(read_text):
-    """Ops with a site in a compact source (the read observation) -> list[str], EDIT_OPS order."""
-    ws = read_text.split()
+    """Ops with a site in a compact source or a read observation -> list[str], EDIT_OPS order."""
+    ws = read_text.split(' <nl> edits :')[0].split()
     return [op for op, f in EDIT_OPS.items() if f(ws) is not None]
+
+
+def read_observation(source):
+    """The `read` tool's text: the compact source, then the edits that have a site in it, as an
+    editor lists its quick fixes: `def f ( a ) : <nl> ... <nl> edits : flip_compare fix_operator`.
+    Which one repairs the bug is for the tests to tell."""
+    text = compact(source)
+    return f"{text} <nl> edits : {' '.join(applicable_ops(text))}"
 
 
 @lru_cache(maxsize=None)
@@ -610,7 +618,7 @@ class BugFixEnv:
             return call
         tool, op = call
         if tool == 'read':
-            return compact(self.source)
+            return read_observation(self.source)
         if tool == 'edit':
             new = apply_op(self.source, op)
             if new is None:
@@ -829,7 +837,7 @@ def bugfix_texts(tasks):
     for t in tasks:
         texts.append(t.issue)
         for src in reachable_sources(t.source):
-            texts += [compact(src), report_tests(t, src)]
+            texts += [read_observation(src), report_tests(t, src)]
     return texts
 
 

@@ -38,10 +38,10 @@ def test_no_unk_in_any_observation_or_call(kind):
             assert TOK.unk_id not in TOK.encode(text), text
 
 
-def report_testss_are_short():
+def test_observations_are_short():
     for t in ALL:
         for src in gym.reachable_sources(t.source):
-            assert len(gym.compact(src).split()) <= 33
+            assert len(gym.read_observation(src).split()) <= 40
             assert len(gym.report_tests(t, src).split()) <= 30
 
 
@@ -127,7 +127,7 @@ def test_invalid_calls_cost_a_turn_and_episode_continues():
         obs, reward, done, info = env.step(text)
         assert (obs, reward, done, info['n_turns'], info['n_invalid']) == (want, 0.0, False, n, n)
     obs, _, done, info = env.step('<call>   read </call>')
-    assert obs == gym.compact(HELDOUT[0].source) and not done and info['n_invalid'] == len(cases)
+    assert obs == gym.read_observation(HELDOUT[0].source) and not done and info['n_invalid'] == len(cases)
 
 
 def test_edit_test_undo_cycle():
