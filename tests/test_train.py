@@ -12,7 +12,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ('step_time_s', 'tokens_per_s')
-SMALL = ['--gym=bugfix', '--warmstart_episodes=32', '--warmstart_steps=10', '--batch_size=2', '--group_size=4',
+SMALL = ['--gym=bugfix', '--train_variants=2', '--warmstart_episodes=16', '--warmstart_steps=10', '--batch_size=2', '--group_size=4',
          '--eval_every=2', '--eval_tasks=4', '--eval_samples=1', '--threads=1', '--n_embd=32', '--max_len=192']
 
 
