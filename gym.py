@@ -31,12 +31,37 @@ Simplified on purpose:
 
 import inspect
 import json
+import os
 import random
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import permutations
 
 import sandbox
+
+# -----------------------------------------------------------------------------
+# data files
+
+
+def read_jsonl(path):
+    """[(line number, dict)] of a JSONL file; blank lines skipped. Raises FileNotFoundError, or
+    ValueError naming file:line for a line that is not a JSON object."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'{path}: no such file')
+    rows = []
+    with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f'{path}:{n}: malformed JSON ({e.msg})') from None
+            if not isinstance(row, dict):
+                raise ValueError(f'{path}:{n}: expected a JSON object, got {type(row).__name__}')
+            rows.append((n, row))
+    return rows
+
 
 # -----------------------------------------------------------------------------
 # word-level tokenizer

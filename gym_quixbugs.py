@@ -42,6 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import sandbox
+from gym import read_jsonl
 
 DATA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quixbugs.jsonl")
 COMPARES = ("exact", "list", "list_of_tuples", "approx_abs_last_arg")
@@ -69,19 +70,13 @@ class QuixTask:
 def load_quixbugs(path=DATA_PATH):
     """Read the QuixBugs JSONL (one program per line) into a list of dict records.
     Raises FileNotFoundError (missing file) or ValueError naming `file:line` (malformed record)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: QuixBugs data file not found (see data/SOURCES.md)")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                _check_record(rec)
-            except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"{path}:{lineno}: malformed QuixBugs record: {e}") from None
-            records.append(rec)
+    for lineno, rec in read_jsonl(path):
+        try:
+            _check_record(rec)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}:{lineno}: malformed QuixBugs record: {e}") from None
+        records.append(rec)
     return records
 
 

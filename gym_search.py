@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gym import read_jsonl
 from gym_memory import score_answers, validate_format
 
 DATA = Path(__file__).resolve().parent / 'data'
@@ -72,27 +73,6 @@ class SearchTask:
     supporting_titles: list = field(default_factory=list)
 
 
-def _read_jsonl(path):
-    """[(line number, dict)] of a JSONL file; blank lines skipped. Raises FileNotFoundError, or
-    ValueError naming file:line for a line that is not a JSON object."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f'{path}: no such file')
-    rows = []
-    with open(path, encoding='utf-8') as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f'{path}:{n}: malformed JSON ({e.msg})') from None
-            if not isinstance(row, dict):
-                raise ValueError(f'{path}:{n}: expected a JSON object, got {type(row).__name__}')
-            rows.append((n, row))
-    return rows
-
-
 def load_jsonl_questions(path):
     """Questions from a JSONL file of {id?, question, answers: [str, ...], supporting_titles?}.
 
@@ -102,7 +82,7 @@ def load_jsonl_questions(path):
     non-empty answer, and ValueError for a file without questions.
     """
     tasks = []
-    for n, row in _read_jsonl(path):
+    for n, row in read_jsonl(path):
         q, answers = row.get('question'), row.get('answers')
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f'{path}:{n}: no question')
@@ -159,10 +139,10 @@ _INDEXES = {}   # (resolved corpus path, mtime) -> SearchIndex: built once per c
 
 def load_corpus(path=DEFAULT_CORPUS):
     """Distinct passages 'title: text' from a JSONL of HotpotQA rows (all their `paragraphs`) or of
-    {title, text} rows, in first-seen order. Raises as _read_jsonl, or ValueError for a row with
+    {title, text} rows, in first-seen order. Raises as gym.read_jsonl, or ValueError for a row with
     neither form or a file without passages."""
     docs, seen = [], set()
-    for n, row in _read_jsonl(path):
+    for n, row in read_jsonl(path):
         paras = row['paragraphs'] if isinstance(row.get('paragraphs'), list) else [row]
         for p in paras:
             if not isinstance(p, dict) or not isinstance(p.get('text'), str):
