@@ -730,12 +730,13 @@ def _tester(rng, task):
 
 
 def _warmstart(rng, task):
-    """Sensible order without knowing the repair: read, a random applicable edit, test, then (whatever
-    the test said) submit or undo and try another op. It does not condition on the test result:
-    learning to do so is left to RL. It always tests: a warm start that sometimes submits untested
-    lets RL settle on 'edit, submit' (the any-edit baseline) before it learns to read the tests."""
+    """Sensible order without knowing the repair: read, the first listed edit, test, then (whatever
+    the test said) submit or undo and try the next listed edit. It does not condition on the test
+    result: learning to do so is left to RL. It always tests: a warm start that sometimes submits
+    untested lets RL settle on 'edit, submit' (the any-edit baseline) before it learns to read the
+    tests. It follows the listed order: which edit comes next is then a copy from the read
+    observation, and RL is left with the decision that generalises, submit or undo."""
     ops = applicable_ops((yield _call('read')))
-    rng.shuffle(ops)
     for n, op in enumerate(ops):
         yield _call('edit', op)
         yield _call('test')
