@@ -170,6 +170,14 @@ def load_config(argv, defaults=config):
     if not (ktr == 'all' or (isinstance(ktr, int) and ktr >= 1) or (isinstance(ktr, str) and ktr.isdigit())):
         fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
     cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
+    try:
+        dev = torch.device(cfg['device'])
+    except RuntimeError:
+        fail(f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)")
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
+    if dev.type not in ('cpu', 'cuda'):
+        fail(f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)")
     for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
                          ('dtype', ('float32', 'bfloat16'))]:
         if cfg[key] not in allowed:
@@ -228,8 +236,9 @@ def setup_gym(cfg):
     if name == 'quixbugs':
         import gym_quixbugs as gq
         tok = hf.load_tokenizer(cfg['model'])
+        eval_tasks = gq.make_tasks('heldout')
         return dict(tok=tok, fmt=chat_format(tok, tools=gq.tool_schemas(), enable_thinking=cfg['enable_thinking']),
-                    train_tasks=gq.make_tasks('train'), eval_tasks=gq.make_tasks('heldout'),
+                    train_tasks=gq.make_tasks('train'), eval_tasks=eval_tasks[:cfg['eval_tasks'] or len(eval_tasks)],
                     make_env=lambda: gq.QuixBugsEnv(max_turns=cfg['max_turns']), baselines={}, warm_policy=None)
     fail(f"unknown gym '{name}' (bugfix, memory, searchqa, quixbugs)")
 

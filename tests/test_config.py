@@ -19,6 +19,7 @@ def run_train(*args):
     (['config/does_not_exist.yaml'], 'config file not found: config/does_not_exist.yaml'),
     (['--kl_type=k4'], "config key 'kl_type' must be one of k1, k2, k3, got 'k4'"),
     (['--keep_tool_results=some'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
+    (['--device=tpu'], "config key 'device': unknown device 'tpu'"),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
     p = run_train(*args)
