@@ -174,8 +174,6 @@ def load_config(argv, defaults=config):
         dev = torch.device(cfg['device'])
     except RuntimeError:
         fail(f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)")
-    if dev.type == 'cuda' and not torch.cuda.is_available():
-        fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     if dev.type not in ('cpu', 'cuda'):
         fail(f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)")
     for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
@@ -590,6 +588,8 @@ def set_rng_state(state, rng, gen):
 def main(argv):
     t_start = time.time()
     cfg = load_config(argv)
+    if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
+        fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     ddp = int(os.environ.get('WORLD_SIZE', '1')) > 1
     if ddp:  # torchrun: one process per device, gloo on CPU, nccl on CUDA
         torch.distributed.init_process_group('nccl' if cfg['device'].startswith('cuda') else 'gloo')
