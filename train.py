@@ -103,7 +103,8 @@ config = dict(
     wandb_project='',            # mirror metrics.jsonl to this Weights & Biases project if wandb is installed
     dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
 )
-TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
+TYPES = {'keep_tool_results': (str, int)}
+TRUNCATED = ('truncated', 'budget', 'max_turns')  # stop reasons of an episode that ran out of turns or context  # keys whose values may take more than one type
 
 
 def fail(msg):
@@ -170,6 +171,22 @@ def load_config(argv, defaults=config):
     if not (ktr == 'all' or (isinstance(ktr, int) and ktr >= 1) or (isinstance(ktr, str) and ktr.isdigit())):
         fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
     cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
+    for key in ('steps', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
+                'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples', 'warmstart_batch_size', 'keep_checkpoints',
+                'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
+        if cfg[key] < 1:
+            fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
+    for key in ('threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
+                'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
+        if cfg[key] < 0:
+            fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
+    if cfg['max_len'] < cfg['max_response_tokens'] + 16:
+        fail(f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
+             f"max_response_tokens={cfg['max_response_tokens']}")
+    if cfg['temperature'] <= 0:
+        fail(f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}")
+    if cfg['gym'] not in ('bugfix', 'memory', 'searchqa', 'quixbugs'):
+        fail(f"unknown gym {cfg['gym']!r} (bugfix, memory, searchqa, quixbugs)")
     try:
         dev = torch.device(cfg['device'])
     except RuntimeError:
@@ -483,7 +500,7 @@ def episode_metrics(eps, prefix=''):
     n = max(len(eps), 1)
     out = {f'{prefix}reward_mean': sum(e['reward'] for e in eps) / n,
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
-           f'{prefix}truncation_rate': sum(e['stop'] == 'truncated' for e in eps) / n,
+           f'{prefix}truncation_rate': sum(e['stop'] in TRUNCATED for e in eps) / n,  # out of turns or context
            f'{prefix}tt': sum(e.get('tt', 0) for e in eps) / n,  # tokens processed per episode
            f'{prefix}pt': sum(e.get('pt', 0) for e in eps) / n}  # mean over episodes of the peak context
     if eps and 'em' in eps[0]:
@@ -601,7 +618,10 @@ def main(argv):
         print(json.dumps(cfg))
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
-    os.makedirs(cfg['out_dir'], exist_ok=True)
+    try:
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create out_dir {cfg['out_dir']!r}: {e.strerror}")
     random.seed(cfg['seed'])
     torch.manual_seed(cfg['seed'])
     rng = random.Random(cfg['seed'])  # the same on every rank: all ranks draw the same tasks
@@ -625,6 +645,11 @@ def main(argv):
                             weight_decay=cfg['weight_decay'])
     ref_model = None
     if state is None:
+        stale = sorted(glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')))
+        if stale and master:  # a fresh run owns its out_dir: an old checkpoint would be resumed by mistake
+            print(f"fresh run: removing {len(stale)} checkpoint(s) of an earlier run in {cfg['out_dir']} (--resume=True keeps them)")
+            for path in stale:
+                os.remove(path)
         t0 = time.time()
         sft_loss = warm_start(model, gym_, cfg, rng)  # identical on every rank (same seed, same data)
         if sft_loss is not None and master:
@@ -638,8 +663,11 @@ def main(argv):
                 f.write(json.dumps(log0) + '\n')
             sample.log_external(cfg, log0, 0)
     else:
-        model.load_state_dict(state['model'])
-        opt.load_state_dict(state['optimizer'])
+        try:
+            model.load_state_dict(state['model'])
+            opt.load_state_dict(state['optimizer'])
+        except (RuntimeError, ValueError, KeyError) as e:
+            fail(f'{ckpt_path} does not fit this config (was the model changed?): {str(e).splitlines()[0]}')
         if cfg['kl_coef']:
             ref_model = copy.deepcopy(model).eval()
             ref_model.load_state_dict(state['ref_model'])
@@ -686,6 +714,10 @@ def main(argv):
         if step == cfg['steps'] or (cfg['eval_every'] and step % cfg['eval_every'] == 0):
             log.update(evaluate(model, gym_, cfg, step))
             log.update({f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
+            if master:
+                tqdm.write(f"step {step}: train success {log['success_rate']:.3f}, held-out success {log['eval_success_rate']:.3f} "
+                           f"(greedy {log['eval_greedy_success']:.3f})"
+                           + ''.join(f', {k} {v:.3f}' for k, v in gym_['baselines'].items()))
         if master:
             metrics_file.write(json.dumps(log) + '\n')
             metrics_file.flush()
