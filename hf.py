@@ -393,6 +393,18 @@ def tiny_qwen3(vocab_size=QWEN3_VOCAB_SIZE, hidden=64, layers=2, heads=4, kv_hea
     return model.float().eval()
 
 
+def gguf_kwargs(gguf_file):
+    """from_pretrained keyword arguments that load a gguf file unpacked into plain float tensors.
+    Recent transformers keep the weights of some architectures in packed GGUF blocks (not trainable) and
+    mark even unpacked models as quantized, so that save_pretrained refuses them; GgufConfig(dequantize=True)
+    asks for a plain model. Older transformers (no GgufConfig) always unpack."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {'gguf_file': gguf_file}
+    return {'gguf_file': gguf_file, 'quantization_config': GgufConfig(dequantize=True)}
+
+
 def load_hf_policy(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu'):
     """(model, tokenizer) for a Hugging Face causal LM, from a local path or a hub name (hub names
     need network or a filled HF cache; tests use local paths only).
@@ -410,5 +422,5 @@ def load_hf_policy(name_or_path, gguf_file=None, dtype=torch.float32, device='cp
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     render_tools_template(tok)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kw)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **(gguf_kwargs(gguf_file) if kw else {}))
     return model.to(device).eval(), tok

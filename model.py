@@ -232,7 +232,7 @@ def load_policy(cfg, vocab_size=None):
             model = hf.load_hf_policy('smollm2')[0]
         else:
             from transformers import AutoModelForCausalLM
-            kw = dict(gguf_file=cfg['gguf_file']) if cfg['gguf_file'] else {}
+            kw = hf.gguf_kwargs(cfg['gguf_file']) if cfg['gguf_file'] else {}
             model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=torch.float32, **kw)
         model.max_len = cfg['max_len']
         if cfg['grad_checkpointing']:

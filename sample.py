@@ -355,10 +355,12 @@ def run_summary(out_dir, cfg, wall_s):
 # -----------------------------------------------------------------------------
 
 
-def parse_args(argv):
-    """Split argv into this script's options and the rest (train.py's config arguments)."""
+def parse_args(argv, defaults=None):
+    """Split argv into this script's options (`defaults`: their names and default values; evaluate.py
+    passes its own) and the rest (train.py's config arguments)."""
     import train
-    opts = dict(split='heldout', n=4, html='', greedy=False, untrained=False, metrics_rollout='', curves='')
+    opts = dict(defaults or dict(split='heldout', n=4, html='', greedy=False, untrained=False, metrics_rollout='',
+                                 curves=''))
     rest = []
     for arg in argv:
         key, eq, raw = arg[2:].partition('=')
@@ -368,13 +370,39 @@ def parse_args(argv):
             opts[key] = True  # a bare --greedy / --untrained
         else:
             opts[key] = train.check_key(key, train.parse_value(key, raw, opts[key]), opts)
-    if opts['split'] not in ('heldout', 'train'):
+    if opts.get('split', 'heldout') not in ('heldout', 'train'):
         train.fail(f"--split must be heldout or train, got {opts['split']!r}")
     return opts, rest
 
 
-def main(argv):
+def load_run(rest, untrained=False):
+    """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
+    the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config with `rest` on top,
+    or, with untrained=True or no checkpoint there, the policy cfg['model'] as train.py would build it
+    before training. A CUDA config falls back to the CPU when there is no GPU. Shared with evaluate.py."""
     import train  # here, not at the top: train.py imports this file for its plots and summary
+    cfg = train.load_config(rest)
+    state, path = (None, None) if untrained else train.load_latest_checkpoint(cfg['out_dir'])
+    if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
+        cfg = train.load_config(rest, dict(train.config, **state['config']))
+    if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
+        print('no CUDA here: running on cpu')
+        cfg['device'] = 'cpu'
+    if cfg['threads']:
+        torch.set_num_threads(cfg['threads'])
+    torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
+    gym_ = train.setup_gym(cfg)
+    model = load_policy(cfg, gym_['tok'].vocab_size)
+    if state is not None:
+        model.load_state_dict(state['model'])
+    policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
+        f"untrained {cfg['model']} ({'--untrained' if untrained else 'no checkpoint in ' + cfg['out_dir']})"
+    print(f'policy: {policy}')
+    return cfg, gym_, model, policy
+
+
+def main(argv):
+    import train
     opts, rest = parse_args(argv)
     cfg = train.load_config(rest)
     advantages = None
@@ -386,22 +414,7 @@ def main(argv):
         title = f"{cfg['gym']} · training batch of step {dump['step']} ({os.path.basename(opts['metrics_rollout'])})"
         print(f"rollout dump {opts['metrics_rollout']}: step {dump['step']}, {len(trajs)} episodes")
     else:
-        state, path = (None, None) if opts['untrained'] else train.load_latest_checkpoint(cfg['out_dir'])
-        if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
-            cfg = train.load_config(rest, dict(train.config, **state['config']))
-        if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
-            print('no CUDA here: running on cpu')
-            cfg['device'] = 'cpu'
-        if cfg['threads']:
-            torch.set_num_threads(cfg['threads'])
-        torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
-        gym_ = train.setup_gym(cfg)
-        model = load_policy(cfg, gym_['tok'].vocab_size)
-        if state is not None:
-            model.load_state_dict(state['model'])
-        policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
-            f"untrained {cfg['model']} ({'--untrained' if opts['untrained'] else 'no checkpoint in ' + cfg['out_dir']})"
-        print(f'policy: {policy}')
+        cfg, gym_, model, policy = load_run(rest, opts['untrained'])
         title = f"{cfg['gym']} · {policy} · {opts['split']} · {'greedy' if opts['greedy'] else 'sampled'}"
         trajs = run_episodes(model, gym_, cfg, opts['split'], opts['n'], opts['greedy'])
     for t in trajs:
