@@ -371,20 +371,23 @@ def parse_tool_call(text):
         return f"error: could not parse the tool call ({type(e).__name__})"
 
 
+_JSON = json.JSONDecoder(strict=False)  # strict=False: raw newlines inside strings are fine
+
+
 def _parse_tool_call(text):
     if not isinstance(text, str):
         return "error: the turn is not text"
     start = text.find("<tool_call>")
     if start < 0:
         return 'error: no tool call found; write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
-    body = text[start + len("<tool_call>"):]
-    end = body.find("</tool_call>")
-    body = (body[:end] if end >= 0 else body.split("<|im_end|>")[0]).strip()
+    body = text[start + len("<tool_call>"):].lstrip()
     if body.startswith("```"):  # a fenced block inside the tags
-        body = body.strip("`").strip()
-        body = body[4:] if body.startswith("json") else body
+        body = body[3:]
+        body = (body[4:] if body.startswith("json") else body).lstrip()
     try:
-        call = json.loads(body, strict=False)  # strict=False: raw newlines inside strings are fine
+        # decode one JSON value and ignore what follows it (the closing tag, a fence, <|im_end|>):
+        # cutting at the first "</tool_call>" would break a call whose strings contain that text
+        call, _ = _JSON.raw_decode(body)
     except ValueError:
         return "error: the tool call is not valid JSON"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):

@@ -191,6 +191,10 @@ def test_parse_tool_call_forms():
     assert G.parse_tool_call(as_string) == ("edit", {"old": "a", "new": "b"})
     raw = '<tool_call>{"name": "edit", "arguments": {"old": "x = 1\n", "new": "x = 2\n"}}</tool_call>'
     assert G.parse_tool_call(raw) == ("edit", {"old": "x = 1\n", "new": "x = 2\n"})  # raw newlines
+    # the closing tag inside a JSON string does not end the call (found by hypothesis in CI)
+    assert G.parse_tool_call(call("edit", old="0", new="</tool_call>")) == ("edit", {"old": "0", "new": "</tool_call>"})
+    fenced = '<tool_call>\n```json\n{"name": "read"}\n```\n</tool_call>'
+    assert G.parse_tool_call(fenced) == ("read", {})
     for bad in ("", "read", "<tool_call>{</tool_call>", '<tool_call>["read"]</tool_call>',
                 '<tool_call>{"name": "edit", "arguments": {"old": ""}}</tool_call>',
                 '<tool_call>{"name": "edit", "arguments": {"old": 1, "new": "x"}}</tool_call>',
