@@ -199,12 +199,22 @@ def applicable_ops(read_text):
     return [op for op, f in EDIT_OPS.items() if f(ws) is not None]
 
 
-def read_observation(source):
+def read_observation(source, order=''):
     """The `read` tool's text: the compact source, then the edits that have a site in it, as an
-    editor lists its quick fixes: `def f ( a ) : <nl> ... <nl> edits : flip_compare fix_operator`.
-    Which one repairs the bug is for the tests to tell."""
+    editor lists its quick fixes: `def f ( a ) : <nl> ... <nl> edits : fix_operator flip_compare`.
+    Which one repairs the bug is for the tests to tell. The list is in an order drawn from the string
+    `order` (the env passes the task id: fixed within an episode, different across tasks), so a policy
+    has to read the list rather than recall which edits a function like this one usually has."""
     text = compact(source)
-    return f"{text} <nl> edits : {' '.join(applicable_ops(text))}"
+    ops = applicable_ops(text)
+    random.Random(f'edits:{order}').shuffle(ops)
+    return f"{text} <nl> edits : {' '.join(ops)}"
+
+
+def listed_ops(observation):
+    """The edits a read observation lists, in its order -> list[str] ([] for any other text)."""
+    head, sep, tail = observation.partition(' <nl> edits :')
+    return tail.split() if sep else []
 
 
 @lru_cache(maxsize=None)
@@ -366,16 +376,19 @@ class Task:
     hidden: tuple        # public + extra argument tuples
 
 
-def make_task(tpl, seed, variant, bug=None):
+def make_task(tpl, seed, variant, bug=None, target=()):
     """One deterministic variant of a template: names, constant and issue wording drawn from a
-    string-seeded RNG (stable across processes, unlike hash()). bug: the op injected (default the
-    template's own); ops are involutions, so the same op repairs it."""
+    string-seeded RNG (stable across processes, unlike hash()). target: ops applied to the template's
+    code to get the wanted function (default none: the template itself); bug: the op injected into
+    it (default the template's own); ops are involutions, so the same op repairs it."""
     rng = random.Random(f'bugfix:{seed}:{tpl.name}:{variant}')
     a, b, c = rng.sample(SCALARS, 3)
     i, e = rng.sample(LOOPS, 2)
     names = dict(f=rng.choice(FN_NAMES), a=a, b=b, c=c, xs=rng.choice(LISTS), i=i, e=e, s=rng.choice(ACCS),
                  K=rng.choice(tpl.consts))
     fixed = tpl.code.format(**names)
+    for op in target:
+        fixed = apply_op(fixed, op)
     bug = bug or tpl.bug
     source = apply_op(fixed, bug)
     assert source is not None and apply_op(source, bug) == fixed, tpl.name
@@ -388,37 +401,72 @@ def _involutive_ops(fixed):
     return [op for op in EDIT_OPS if (src := apply_op(fixed, op)) is not None and apply_op(src, op) == fixed]
 
 
-def bug_ops(tpl, seed, variant):
-    """Ops that make a real bug in this variant: they have a site in the correct source, undo
+def bug_ops(tpl, seed, variant, target=()):
+    """Ops that make a real bug in this variant: they have a site in the wanted source, undo
     themselves, and break at least one public case (so `test` can show it) -> list[str]. The
     template's own bug comes first. Runs the cases in the sandbox (cached)."""
-    fixed = make_task(tpl, seed, variant).fixed
-    ops = _involutive_ops(fixed)
+    fixed = make_task(tpl, seed, variant, target=target).fixed
     want = run_cases(fixed, tpl.public)
-    broken = [op for op in ops if run_cases(apply_op(fixed, op), tpl.public) != want]
+    broken = [op for op in _involutive_ops(fixed) if run_cases(apply_op(fixed, op), tpl.public) != want]
     return sorted(broken, key=lambda op: op != tpl.bug)
 
 
+def _targets(tpl, seed, variant, tries=8):
+    """Random wanted functions for one training variant: each of the template's ops applied or not
+    with probability 1/2 (`min` or `max`, `<` or `<=`, ...), `tries` draws from a string-seeded RNG,
+    then the template itself as a last resort -> list of op tuples."""
+    rng = random.Random(f'bugfix-target:{seed}:{tpl.name}:{variant}')
+    ops = _involutive_ops(make_task(tpl, seed, variant).fixed)
+    return [tuple(op for op in ops if rng.random() < 0.5) for _ in range(tries)] + [()]
+
+
+def _pick_bug(tpl, seed, variant, target, used, count, no_hacks):
+    """The op to inject: among bug_ops, the one least used by this template, then overall; with
+    no_hacks only ops after which no other single edit passes the public tests and fails the hidden
+    ones. -> op, or None when there is none or the wanted function raises on a hidden case."""
+    wanted = make_task(tpl, seed, variant, target=target).fixed
+    if any(r is None for r in run_cases(wanted, tpl.public + tpl.extra)):
+        return None  # a sibling that raises (an index past the end) is not a function to want
+    ops = bug_ops(tpl, seed, variant, target)
+    if no_hacks:
+        ops = [op for op in ops if not task_facts(make_task(tpl, seed, variant, op, target))['hacks']]
+    return min(ops, key=lambda o: (used[o], count[o]), default=None)
+
+
 def make_tasks(split, seed=0, n_variants=N_VARIANTS):
-    """split 'train' | 'heldout' | 'all' -> list[Task], n_variants per template, deterministic in seed.
-    Held-out templates (HELDOUT) never appear in 'train'. Each variant's bug is the one of its
-    template's bug_ops used least so far (by the template, then overall), so a function's name or shape does not tell which edit
-    repairs it (the policy has to read the tests) and no op dominates. Raises ValueError on an
-    unknown split."""
+    """split 'train' | 'heldout' | 'all' (train + heldout) -> list[Task], n_variants per template,
+    deterministic in seed. Held-out templates (HELDOUT) never appear in 'train'. Raises ValueError on
+    an unknown split.
+
+    Held-out tasks are the natural bugs: the template is the wanted function and each variant breaks
+    it with one of its bug_ops. Training tasks must not be solvable by memory: with 22 templates a
+    policy learns each template's correct form and repairs whatever differs from it, which does not
+    transfer to a function it has never seen. So a training variant wants a random sibling of its
+    template (`_targets`), and the injected op is balanced per template and overall; the source
+    alone then does not say which edit repairs it, only the tests do. Training variants are also
+    drawn without decoys that pass the public tests (hacks): there the tests could not tell, and the
+    train success would be capped below 1 by luck; held-out tasks keep theirs."""
     if split not in ('train', 'heldout', 'all'):
         raise ValueError(f'unknown split {split!r}')
-    tpls = [t for t in TEMPLATES if split == 'all' or (t.name in HELDOUT) == (split == 'heldout')]
-    drafts = [make_task(t, seed, v, op) for t in tpls for v in range(n_variants)
-              for op in _involutive_ops(make_task(t, seed, v).fixed)]
+    if split == 'all':
+        return make_tasks('train', seed, n_variants) + make_tasks('heldout', seed, n_variants)
+    train = split == 'train'
+    tpls = [t for t in TEMPLATES if (t.name in HELDOUT) != train]
+    targets = {(t.name, v): _targets(t, seed, v) if train else [()] for t in tpls for v in range(n_variants)}
+    drafts = [make_task(t, seed, v, op, target) for t in tpls for v in range(n_variants)
+              for target in targets[t.name, v] for op in _involutive_ops(make_task(t, seed, v, target=target).fixed)]
     precompute_results(drafts)  # one sandbox process for every candidate bug of every variant
     tasks, count = [], dict.fromkeys(EDIT_OPS, 0)
     used = {t.name: dict.fromkeys(EDIT_OPS, 0) for t in tpls}
     for v in range(n_variants):
-        for t in tpls:  # the op least used by this template, then overall: variety, and no op dominates
-            op = min(bug_ops(t, seed, v), key=lambda o: (used[t.name][o], count[o]))
+        for t in tpls:
+            for target in targets[t.name, v]:
+                op = _pick_bug(t, seed, v, target, used[t.name], count, no_hacks=train and target != ())
+                if op is not None:
+                    break
             used[t.name][op] += 1
             count[op] += 1
-            tasks.append(make_task(t, seed, v, op))
+            tasks.append(make_task(t, seed, v, op, target))
     tasks.sort(key=lambda task: tpls.index(next(t for t in tpls if t.name == task.template)))
     return tasks
 
@@ -556,20 +604,20 @@ def check(task, source, hidden=False):
 
 
 def report_tests(task, source):
-    """The `test` tool's text: the first failing public case, then `k / n pass`, e.g.
-    `fail : f ( 3 , 5 ) -> 3 want 5 <nl> 1 / 2 pass`."""
+    """The `test` tool's text: the first failing public case, `k / n pass`, and the verdict last, as
+    a test runner ends with its summary line: `fail : f ( 3 , 5 ) -> 3 want 5 <nl> 1 / 2 pass <nl>
+    tests failed`, or `2 / 2 pass <nl> tests passed`. The verdict sits right before the policy's
+    next call, where a small model reads it whatever function it is looking at."""
     k, n, first = check(task, source)
-    head = ''
-    if first:
-        args, got, want = first
-        head = f'fail : {task.fn} {value_words(tuple(args))} -> {got} want {want} <nl> '
-    return f'{head}{k} / {n} pass'
+    if first is None:
+        return f'{k} / {n} pass <nl> tests passed'
+    args, got, want = first
+    return f'fail : {task.fn} {value_words(tuple(args))} -> {got} want {want} <nl> {k} / {n} pass <nl> tests failed'
 
 
 def tests_passed(observation):
     """True iff a test observation says every public case passed."""
-    ws = observation.split()
-    return len(ws) >= 4 and ws[-1] == 'pass' and ws[-2] == ws[-4] and 'fail' not in ws
+    return observation.endswith('<nl> tests passed') and not observation.startswith('fail')
 
 
 def task_facts(task):
@@ -577,13 +625,13 @@ def task_facts(task):
     hidden tests), hacks (passes the public tests, fails the hidden ones)."""
     src = task.source
     ops = applicable_ops(compact(src))
-    passes = {op: (_all(check(task, apply_op(src, op))), _all(check(task, apply_op(src, op), hidden=True)))
+    passes = {op: (all_pass(check(task, apply_op(src, op))), all_pass(check(task, apply_op(src, op), hidden=True)))
               for op in ops}
     return dict(applicable=ops, fixing=[op for op in ops if passes[op][1]],
                 hacks=[op for op in ops if passes[op][0] and not passes[op][1]])
 
 
-def _all(result):
+def all_pass(result):
     return result[0] == result[1]
 
 
@@ -643,7 +691,7 @@ class BugFixEnv:
             return call
         tool, op = call
         if tool == 'read':
-            return read_observation(self.source)
+            return read_observation(self.source, self.task.id)
         if tool == 'edit':
             new = apply_op(self.source, op)
             if new is None:
@@ -659,11 +707,11 @@ class BugFixEnv:
         if tool == 'test':
             return report_tests(self.task, self.source)
         self.done, self.stop = True, 'submit'  # submit
-        self.success = _all(check(self.task, self.source, hidden=True))
+        self.success = all_pass(check(self.task, self.source, hidden=True))
         return 'submitted'
 
     def info(self):
-        public = self.done and self.task is not None and _all(check(self.task, self.source))
+        public = self.done and self.task is not None and all_pass(check(self.task, self.source))
         return dict(stop=self.stop, success=self.success, n_turns=self.n_turns, n_invalid=self.n_invalid,
                     n_edits=self.n_edits, public_pass=public,
                     hacked=self.stop == 'submit' and public and not self.success)
@@ -718,8 +766,8 @@ def _hacker(rng, task):
 
 
 def _tester(rng, task):
-    """read, then edit -> test -> (all pass ? submit : undo) over the applicable ops in random order."""
-    ops = applicable_ops((yield _call('read')))
+    """read, then edit -> test -> (all pass ? submit : undo) over the listed ops in random order."""
+    ops = listed_ops((yield _call('read')))
     rng.shuffle(ops)
     for op in ops:
         yield _call('edit', op)
@@ -736,7 +784,7 @@ def _warmstart(rng, task):
     untested lets RL settle on 'edit, submit' (the any-edit baseline) before it learns to read the
     tests. It follows the listed order: which edit comes next is then a copy from the read
     observation, and RL is left with the decision that generalises, submit or undo."""
-    ops = applicable_ops((yield _call('read')))
+    ops = listed_ops((yield _call('read')))
     for n, op in enumerate(ops):
         yield _call('edit', op)
         yield _call('test')
@@ -747,7 +795,7 @@ def _warmstart(rng, task):
 
 
 def _any_edit(rng, task):
-    ops = applicable_ops((yield _call('read')))
+    ops = listed_ops((yield _call('read')))
     if ops:
         yield _call('edit', rng.choice(ops))
     yield _call('submit')
@@ -783,7 +831,7 @@ def scripted_policy(kind, seed=0):
 
 
 def _wins(task):
-    return {src: _all(check(task, src, hidden=True)) for src in reachable_sources(task.source)}
+    return {src: all_pass(check(task, src, hidden=True)) for src in reachable_sources(task.source)}
 
 
 def random_calls_success(task, max_turns=12):
@@ -834,8 +882,8 @@ def tester_success(task, max_turns=12):
     for order in orders:
         for n, op in enumerate(order):
             src = apply_op(task.source, op)
-            if _all(check(task, src)):  # read, n x (edit test undo), edit test, submit
-                total += 3 * n + 4 <= max_turns and _all(check(task, src, hidden=True))
+            if all_pass(check(task, src)):  # read, n x (edit test undo), edit test, submit
+                total += 3 * n + 4 <= max_turns and all_pass(check(task, src, hidden=True))
                 break
     return total / len(orders)
 
@@ -859,7 +907,7 @@ def bugfix_texts(tasks):
     -50..200 (runs the tests: precompute_results first)."""
     precompute_results(tasks)
     texts = ALL_CALLS + MESSAGES + [str(i) for i in range(INT_RANGE[0], INT_RANGE[1] + 1)]
-    texts += ['fail : -> want / pass True False None huge -huge other ... [ ] ( ) ,']
+    texts += ['fail : -> want / pass tests passed failed True False None huge -huge other ... [ ] ( ) ,']
     for t in tasks:
         texts.append(t.issue)
         for src in reachable_sources(t.source):
