@@ -98,7 +98,7 @@ def test_read_lists_the_applicable_edits_in_a_per_task_order():
         assert sorted(listed) == sorted(gym.applicable_ops(gym.compact(t.source)))
         assert env.step('<call> read </call>')[0] == obs  # fixed within an episode
         if len(listed) == 3:
-            orders.add(tuple(gym.EDIT_OPS.index(op) for op in listed))
+            orders.add(tuple(list(gym.EDIT_OPS).index(op) for op in listed))
     assert len(orders) >= 4  # not the EDIT_OPS order everywhere: the list must be read
     for ep in episodes('warmstart', ALL, [0]):  # the warm start copies the list, in its order
         edits = [a.split()[2] for a in ep['actions'] if a.split()[1] == 'edit']
