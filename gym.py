@@ -174,7 +174,8 @@ TOOLS = ('read', 'edit', 'undo', 'test', 'submit')
 ALL_CALLS = ([f'<call> {t} </call>' for t in ('read', 'undo', 'test', 'submit')]
              + [f'<call> edit {op} </call>' for op in EDIT_OPS])
 MESSAGES = ['error : malformed call', 'error : unknown tool', 'error : unknown op', 'error : nothing to undo',
-            'error : episode over', 'ok', 'undone', 'submitted'] + [f'error : no site for {op}' for op in EDIT_OPS]
+            'error : episode over', 'ok', 'submitted'] + [f'error : no site for {op}' for op in EDIT_OPS] + [
+            f'undone {op}' for op in EDIT_OPS]
 
 
 def compact(source):
@@ -696,14 +697,14 @@ class BugFixEnv:
             new = apply_op(self.source, op)
             if new is None:
                 return f'error : no site for {op}'
-            self.history.append(self.source)
+            self.history.append((self.source, op))
             self.source, self.n_edits = new, self.n_edits + 1
             return 'ok'
         if tool == 'undo':
             if not self.history:
                 return 'error : nothing to undo'
-            self.source = self.history.pop()
-            return 'undone'
+            self.source, op = self.history.pop()
+            return f'undone {op}'  # as an editor names what it undid
         if tool == 'test':
             return report_tests(self.task, self.source)
         self.done, self.stop = True, 'submit'  # submit

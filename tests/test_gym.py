@@ -179,7 +179,7 @@ def test_edit_test_undo_cycle():
     assert env.step(f'<call> edit {t.bug} </call>')[0] == 'ok'
     obs = env.step('<call> test </call>')[0]
     assert obs == '2 / 2 pass <nl> tests passed' and gym.tests_passed(obs)
-    assert env.step('<call> undo </call>')[0] == 'undone' and env.source == t.source
+    assert env.step('<call> undo </call>')[0] == f'undone {t.bug}' and env.source == t.source
     obs = env.step('<call> test </call>')[0]
     assert obs.startswith(f'fail : {t.fn} (') and obs.endswith('pass <nl> tests failed') and not gym.tests_passed(obs)
     assert env.step('<call> submit </call>')[1:3] == (0.0, True)
