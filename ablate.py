@@ -117,6 +117,9 @@ def markdown_table(agg, ks):
 
 
 def main(argv):
+    if '--help' in argv or '-h' in argv:
+        print(__doc__.strip())
+        return None
     opts, passthrough = parse_args(argv)
     extra = (QUICK if opts['quick'] else []) + passthrough
     results = {}
@@ -132,7 +135,9 @@ def main(argv):
             cfg_path = os.path.join(d, 'config.json')
             done = last is not None and os.path.exists(cfg_path) and last['step'] == json.load(open(cfg_path))['steps']
             if opts['rerun'] or not done:
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)  # its progress bar stays on stderr
+                if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:  # its progress bar stays on stderr
+                    print(f'error: the {variant} run (seed {seed}) failed; its own error is above', file=sys.stderr)
+                    sys.exit(2)
                 last = final_eval(os.path.join(d, 'metrics.jsonl'))
             results[variant].append(dict(last, out_dir=d))
     if opts['dry_run']:

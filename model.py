@@ -250,7 +250,10 @@ def load_policy(cfg, vocab_size=None):
         else:
             from transformers import AutoModelForCausalLM
             kw = hf.gguf_kwargs(cfg['gguf_file']) if cfg['gguf_file'] else {}
-            model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=torch.float32, **kw)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=torch.float32, **kw)
+            except OSError as e:  # unknown name, no network, not a model directory: one line, not a traceback
+                raise OSError(f"cannot load model {cfg['model']!r}: {str(e).splitlines()[0]}") from None
         model.max_len = cfg['max_len']
         if cfg['grad_checkpointing']:
             model.gradient_checkpointing_enable()

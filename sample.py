@@ -383,6 +383,10 @@ def load_run(rest, untrained=False):
     import train  # here, not at the top: train.py imports this file for its plots and summary
     cfg = train.load_config(rest)
     state, path = (None, None) if untrained else train.load_latest_checkpoint(cfg['out_dir'])
+    if state is None and not untrained and any(a.startswith('--out_dir=') for a in rest):
+        # a run directory named on the command line must hold a run: a typo must not quietly give
+        # numbers of an untrained policy
+        train.fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
         cfg = train.load_config(rest, dict(train.config, **state['config']))
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
@@ -392,7 +396,10 @@ def load_run(rest, untrained=False):
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
     gym_ = train.setup_gym(cfg)
-    model = load_policy(cfg, gym_['tok'].vocab_size)
+    try:
+        model = load_policy(cfg, gym_['tok'].vocab_size)
+    except OSError as e:
+        train.fail(str(e))
     if state is not None:
         model.load_state_dict(state['model'])
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
@@ -405,8 +412,12 @@ def main(argv):
     import train
     opts, rest = parse_args(argv)
     cfg = train.load_config(rest)
+    if opts['curves'] and not os.path.isfile(os.path.join(cfg['out_dir'], 'metrics.jsonl')):
+        train.fail(f"--curves: no metrics.jsonl in {cfg['out_dir']}")
     advantages = None
     if opts['metrics_rollout']:
+        if not os.path.isfile(opts['metrics_rollout']):
+            train.fail(f"no rollout dump {opts['metrics_rollout']} (a run writes them with dump_rollouts: true)")
         dump = torch.load(opts['metrics_rollout'], map_location='cpu', weights_only=False)  # our own file
         cfg = train.load_config(rest, dict(train.config, **dump['config']))
         gym_ = train.setup_gym(cfg)

@@ -128,7 +128,8 @@ def parse_value(key, raw, default):
 
 def check_key(key, value, cfg):
     if key not in cfg:
-        close = difflib.get_close_matches(key, list(cfg), n=1)
+        close = difflib.get_close_matches(key, list(cfg), n=1) or [
+            k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1]  # lr_rate -> lr
         fail(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
     default = cfg[key]
     ok_types = TYPES.get(key, (type(default),))
@@ -148,6 +149,10 @@ def load_config(argv, defaults=config):
     Any error exits with status 2 and one line naming the key or file."""
     cfg = dict(defaults)
     for arg in argv:
+        if arg in ('-h', '--help'):
+            print((sys.modules['__main__'].__doc__ or '').strip())
+            print('\nconfig keys (YAML files, then --key=value): ' + ' '.join(cfg))
+            sys.exit(0)
         if arg.startswith('--'):
             key, eq, raw = arg[2:].partition('=')
             if not eq:
@@ -157,12 +162,14 @@ def load_config(argv, defaults=config):
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
         else:
             if not os.path.isfile(arg):
-                fail(f'config file not found: {arg}')
+                fail(f'config file is a directory: {arg}' if os.path.isdir(arg) else f'config file not found: {arg}')
             try:
                 with open(arg) as f:
                     loaded = yaml.safe_load(f) or {}
             except yaml.YAMLError as e:
-                fail(f'cannot parse YAML file {arg}: {str(e).splitlines()[0]}')
+                mark = getattr(e, 'problem_mark', None)
+                where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
+                fail(f'cannot parse YAML file {arg}{where}: {getattr(e, "problem", None) or str(e).splitlines()[0]}')
             if not isinstance(loaded, dict):
                 fail(f'config file {arg} must hold a mapping of keys to values')
             for key, value in loaded.items():
@@ -633,7 +640,10 @@ def main(argv):
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not gym_['train_tasks'] or not gym_['eval_tasks']:
         fail(f"gym '{cfg['gym']}' has an empty {'train' if not gym_['train_tasks'] else 'held-out'} split")
-    model = load_policy(cfg, gym_['tok'].vocab_size)
+    try:
+        model = load_policy(cfg, gym_['tok'].vocab_size)
+    except OSError as e:
+        fail(str(e))
     if master:
         print(f"policy: {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters, gym {cfg['gym']}: "
               f"{len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks, {world_size()} process(es)")

@@ -20,6 +20,8 @@ def run_train(*args):
     (['--kl_type=k4'], "config key 'kl_type' must be one of k1, k2, k3, got 'k4'"),
     (['--keep_tool_results=some'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
     (['--device=tpu'], "config key 'device': unknown device 'tpu'"),
+    (['--lr_rate=1'], "unknown config key 'lr_rate' (did you mean 'lr'?)"),
+    (['config'], 'config file is a directory: config'),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
     p = run_train(*args)
@@ -63,3 +65,16 @@ def test_bad_data_stops_before_training_with_one_line(tmp_path, content, needle)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith('error: '), p.stderr
     assert not (tmp_path / 'out' / 'metrics.jsonl').exists()
+
+
+def test_yaml_error_names_line_and_column(tmp_path):
+    bad = tmp_path / 'bad.yaml'
+    bad.write_text('steps: 3\nlr: [1, 2\nseed: 4\n')
+    p = run_train(str(bad))
+    assert p.returncode == 2 and p.stderr.count('\n') == 1
+    assert p.stderr.startswith(f'error: cannot parse YAML file {bad}:3:')
+
+
+def test_help_prints_usage_and_keys():
+    p = run_train('--help')
+    assert p.returncode == 0 and 'python train.py config/tiny.yaml' in p.stdout and ' kl_coef ' in p.stdout

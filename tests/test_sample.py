@@ -1,4 +1,5 @@
 import json
+import os
 import random
 import sys
 from html.parser import HTMLParser
@@ -242,3 +243,16 @@ def test_run_summary_mentions_paths_and_best_score(tmp_path):
 def test_log_external_is_a_no_op_unless_asked(tmp_path):
     sample.log_external(dict(train.config, out_dir=str(tmp_path)), dict(step=1, reward_mean=0.5), 1)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize('script, args, needle', [
+    ('sample.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
+    ('evaluate.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
+    ('sample.py', ['--metrics_rollout=/nonexistent/r.pt'], 'no rollout dump /nonexistent/r.pt'),
+    ('sample.py', ['--curves=c.png', '--out_dir=/nonexistent/run', '--untrained'], '--curves: no metrics.jsonl'),
+])
+def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, script, *args], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count('\n') == 1 and needle in p.stderr, p.stderr
