@@ -103,8 +103,8 @@ config = dict(
     wandb_project='',            # mirror metrics.jsonl to this Weights & Biases project if wandb is installed
     dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
 )
-TYPES = {'keep_tool_results': (str, int)}
-TRUNCATED = ('truncated', 'budget', 'max_turns')  # stop reasons of an episode that ran out of turns or context  # keys whose values may take more than one type
+TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
+TRUNCATED = ('truncated', 'budget', 'max_turns')  # stop reasons of an episode that ran out of turns or context
 
 
 def fail(msg):

@@ -8,7 +8,7 @@ import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Property tests draw the same examples on every run, so a red CI is reproducible and never flaky.
-# To explore new examples: pytest --hypothesis-seed=<any int> (or HYPOTHESIS_PROFILE=explore).
+# To explore new examples: HYPOTHESIS_PROFILE=explore python -m pytest ...
 settings.register_profile('default', derandomize=True, database=None)
 settings.register_profile('explore', derandomize=False)
 settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'default'))
