@@ -209,7 +209,7 @@ def _judge(task, i, got_repr):
     if not isinstance(got_repr, str):
         return False
     try:
-        got = ast.literal_eval(got_repr)  # literals only: nothing of the child's is executed here
+        got = ast.literal_eval(parse_ast(got_repr.lstrip(" \t"), mode="eval"))  # literals only: nothing runs
         expected, args = task.tests[i]["expected"], task.tests[i]["args"]
         if task.compare == "list_of_tuples":
             expected = [tuple(x) for x in expected]
@@ -246,6 +246,17 @@ def _parse_report(task, stdout, tag):
 
 _CACHE = OrderedDict()
 _CACHE_LOCK = threading.Lock()
+# CPython 3.11 keeps the AST builder's recursion counter per interpreter, not per thread: two threads
+# building ASTs at once (a garbage-collector finalizer can switch threads mid-build) raise
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). Every AST built in
+# this process goes through parse_ast, one at a time.
+_AST_LOCK = threading.Lock()
+
+
+def parse_ast(source, mode="exec"):
+    """ast.parse(source, mode=mode) under a process-wide lock; raises what ast.parse raises."""
+    with _AST_LOCK:
+        return ast.parse(source, mode=mode)
 CACHE_SIZE = 4096
 
 
@@ -496,7 +507,7 @@ class QuixBugsEnv:
         shown = numbered(src).split("\n")[lo - 1:hi]
         obs = f"edited {self.task.name}.py; lines {lo}-{lo + len(shown) - 1} now read:\n" + "\n".join(shown)
         try:
-            ast.parse(src)  # parses only, nothing is executed here
+            parse_ast(src)  # parses only, nothing is executed here
         except Exception as e:
             line = getattr(e, "lineno", None)
             where = f" at line {line}" if line else ""
@@ -527,7 +538,7 @@ class QuixBugsEnv:
 def _split_docstring(source):
     """(code lines, trailing-docstring lines) of a trusted source, split at a final bare string."""
     lines = source.split("\n")
-    body = ast.parse(source).body
+    body = parse_ast(source).body
     last = body[-1] if body else None
     if isinstance(last, ast.Expr) and isinstance(getattr(last.value, "value", None), str):
         return lines[:last.lineno - 1], lines[last.lineno - 1:]

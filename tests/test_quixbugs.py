@@ -93,6 +93,25 @@ def test_scripted_episodes():
         assert r == 0.0 and not info["success"] and info["pass_frac"] < 1.0, t.name
 
 
+def test_every_ast_is_built_under_the_lock(monkeypatch):
+    # CI once failed on CPython 3.11 with "AST constructor recursion depth mismatch": two episode threads
+    # built ASTs at once (python/cpython#106905). Every parse in the parent must hold _AST_LOCK.
+    held = []
+    real = G.ast.parse
+    def spy(*args, **kwargs):
+        held.append(G._AST_LOCK.locked())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(G.ast, "parse", spy)
+    t = BY_NAME["gcd"]
+    G.reference_edits(t)                                   # scripted policy: docstring split
+    env = G.QuixBugsEnv()
+    env.reset(t)
+    env.step(call("edit", old="gcd(a % b, b)", new="gcd(b, a % b)"))  # edit: the parse warning check
+    i = t.public_ids[0]
+    assert G._judge(t, i, repr(t.tests[i]["expected"]))    # judging the child's printed value
+    assert len(held) >= 4 and all(held), held
+
+
 def test_tools_in_an_episode():
     t = BY_NAME["bitcount"]
     env = G.QuixBugsEnv()
