@@ -354,6 +354,7 @@ del T
 # held-out functions never appear in training: one per op, so every op is also seen in training
 HELDOUT = ('any_neg', 'floor_max', 'clamp', 'close', 'range_sum', 'head_or_zero', 'count_between', 'countdown')
 N_VARIANTS = 6
+GEN_VARIANTS = 4  # variants per generated training function (see generated_templates)
 
 FN_NAMES = ['f', 'g', 'h', 'fn', 'calc', 'solve', 'work', 'run', 'go', 'get', 'step', 'check']
 SCALARS = ['a', 'b', 'c', 'x', 'y', 'z', 'p', 'q', 'u', 'v', 'w', 'm', 'n']
@@ -434,7 +435,7 @@ def _pick_bug(tpl, seed, variant, target, used, count, no_hacks):
     return min(ops, key=lambda o: (used[o], count[o]), default=None)
 
 
-def make_tasks(split, seed=0, n_variants=N_VARIANTS):
+def make_tasks(split, seed=0, n_variants=N_VARIANTS, n_generated=0):
     """split 'train' | 'heldout' | 'all' (train + heldout) -> list[Task], n_variants per template,
     deterministic in seed. Held-out templates (HELDOUT) never appear in 'train'. Raises ValueError on
     an unknown split.
@@ -450,17 +451,19 @@ def make_tasks(split, seed=0, n_variants=N_VARIANTS):
     if split not in ('train', 'heldout', 'all'):
         raise ValueError(f'unknown split {split!r}')
     if split == 'all':
-        return make_tasks('train', seed, n_variants) + make_tasks('heldout', seed, n_variants)
+        return make_tasks('train', seed, n_variants, n_generated) + make_tasks('heldout', seed, n_variants)
     train = split == 'train'
     tpls = [t for t in TEMPLATES if (t.name in HELDOUT) != train]
-    targets = {(t.name, v): _targets(t, seed, v) if train else [()] for t in tpls for v in range(n_variants)}
-    drafts = [make_task(t, seed, v, op, target) for t in tpls for v in range(n_variants)
+    tpls += generated_templates(n_generated, seed) if train else []
+    n_var = {t.name: min(n_variants, GEN_VARIANTS) if t.name.startswith('gen') else n_variants for t in tpls}
+    targets = {(t.name, v): _targets(t, seed, v) if train else [()] for t in tpls for v in range(n_var[t.name])}
+    drafts = [make_task(t, seed, v, op, target) for t in tpls for v in range(n_var[t.name])
               for target in targets[t.name, v] for op in _involutive_ops(make_task(t, seed, v, target=target).fixed)]
     precompute_results(drafts)  # one sandbox process for every candidate bug of every variant
     tasks, count = [], dict.fromkeys(EDIT_OPS, 0)
     used = {t.name: dict.fromkeys(EDIT_OPS, 0) for t in tpls}
     for v in range(n_variants):
-        for t in tpls:
+        for t in (t for t in tpls if v < n_var[t.name]):
             for target in targets[t.name, v]:
                 op = _pick_bug(t, seed, v, target, used[t.name], count, no_hacks=train and target != ())
                 if op is not None:
@@ -468,9 +471,122 @@ def make_tasks(split, seed=0, n_variants=N_VARIANTS):
             used[t.name][op] += 1
             count[op] += 1
             tasks.append(make_task(t, seed, v, op, target))
-    tasks.sort(key=lambda task: tpls.index(next(t for t in tpls if t.name == task.template)))
+    order = {t.name: k for k, t in enumerate(tpls)}
+    tasks.sort(key=lambda task: order[task.template])
     return tasks
 
+
+# -----------------------------------------------------------------------------
+# generated training functions. 22 hand-written templates teach a small model each function's shape,
+# and what it learns about shapes (`<` in the code: try flip_compare first) does not carry over to
+# a function it has never seen. Random functions from a grammar of the same kinds of lines give
+# training many more shapes and edit lists, so what transfers is reading the listed edits and the
+# tests. A generated function never equals a held-out function or any of its edited forms.
+
+
+def _gen_code(rng):
+    """One random function (template code with {f} {a} {b} {c} {xs} {i} {e} {s} placeholders)."""
+    lst = rng.random() < 0.5
+    scal = ['{a}', '{b}', '{c}'][:rng.choice([1, 2, 2, 3])]
+    args = (['{xs}'] if lst else []) + scal
+    atoms = scal + (['{xs} [ 0 ]', '{xs} [ -1 ]', 'len ( {xs} )'] if lst else [])
+    const = lambda: rng.choice(['0', '1', '2', '3'])
+    atom = lambda: rng.choice(atoms + [const()])
+    cmp = lambda: rng.choice(['<', '>', '<=', '>='])
+
+    def expr(pool):
+        x, y = rng.choice(pool), rng.choice(pool + [const()])
+        return rng.choice([x, f'{x} + {y}', f'{x} - {y}', f'max ( {x} , {y} )', f'min ( {x} , {y} )'])
+
+    def compare(pool):
+        x = rng.choice(pool)
+        return f'{x} {cmp()} {rng.choice([y for y in atoms if y != x] + [const()])}'
+
+    def cond(pool):
+        c = compare(pool)
+        return c if rng.random() < 0.6 else f'{c} {rng.choice(["and", "or"])} {compare(pool)}'
+
+    shape = rng.choice(['guard', 'range', 'list', 'bool', 'comp'] if lst else ['guard', 'range', 'bool'])
+    lines = []
+    if shape == 'guard':
+        lines = [f'if {cond(atoms)} : return {expr(atoms)}', f'return {expr(atoms)}']
+    elif shape == 'bool':
+        lines = [f'return {cond(atoms)}']
+    elif shape == 'range':
+        end = rng.choice([f'{rng.choice(atoms)}', f'{rng.choice(atoms)} + 1'])
+        start = rng.choice(['', '', f'{const()} , '])
+        body = rng.choice(['{s} += {i}', '{s} = {s} + {i}', '{s} -= {i}', '{s} = max ( {s} , {i} )',
+                           f'{{s}} = {{s}} + {rng.choice(atoms)}', 'if {i} % 2 == 0 : {s} += 1'])
+        lines = [f'{{s}} = {rng.choice("01")}', f'for {{i}} in range ( {start}{end} ) : {body}',
+                 f'return {expr(["{s}"] + atoms[:1])}']
+    elif shape == 'list':
+        init = rng.choice(['{s} = 0', '{s} = 1', '{s} = {xs} [ 0 ]', '{s} = {xs} [ -1 ]'])
+        pool = ['{e}', '{s}'] + scal
+        body = rng.choice([f'if {cond(["{e}"])} : {{s}} = {expr(pool)}', f'{{s}} = {expr(pool)}',
+                           f'if {cond(["{e}"])} : {{s}} += 1', '{s} += {e}', '{s} -= {e}'])
+        lines = [init, '\n'.join([f'for {{e}} in {{xs}} :', f'    {body}']) if body.startswith('if') and rng.random() < 0.5
+                 else f'for {{e}} in {{xs}} : {body}', f'return {expr(["{s}"] + atoms[:1])}']
+    elif shape == 'comp':
+        c = cond(['{e}'])
+        lines = [rng.choice([f'return len ( [ {{e}} for {{e}} in {{xs}} if {c} ] )',
+                             f'return sum ( {{e}} for {{e}} in {{xs}} if {c} )'])]
+    body = '\n'.join('    ' + ln.replace('\n', '\n    ') for ln in lines)
+    return f'def {{f}} ( {" , ".join(args)} ) :\n{body}', lst, len(scal)
+
+
+def _gen_args(rng, lst, n_scal, n):
+    """n distinct argument tuples: a list of 1-5 small ints first when the function takes one."""
+    out = set()
+    while len(out) < n:
+        xs = (tuple(rng.randint(-3, 9) for _ in range(rng.randint(1, 5))),) if lst else ()
+        out.add(xs + tuple(rng.randint(-3, 9) for _ in range(n_scal)))
+    out = sorted(out)
+    rng.shuffle(out)
+    return [tuple(list(a) if isinstance(a, tuple) else a for a in t) for t in out]
+
+
+def _renamed(source):
+    """A source with its names replaced by n0, n1, ... in order of first use (equal up to renaming)."""
+    pool, seen = set(FN_NAMES + SCALARS + LISTS + LOOPS + ACCS), {}
+    return ' '.join(seen.setdefault(w, f'n{len(seen)}') if w in pool else w for w in compact(source).split())
+
+
+@lru_cache(maxsize=None)
+def _heldout_forms():
+    """Every held-out function and its edited forms, up to renaming (see _renamed) -> set[str]."""
+    names = dict(f='f', a='a', b='b', c='c', xs='xs', i='i', e='e', s='s', K=0)
+    return {_renamed(src) for t in TEMPLATES if t.name in HELDOUT for src in reachable_sources(t.code.format(**names))}
+
+
+def generated_templates(n, seed=0):
+    """n random training functions (Template, names gen0, gen1, ...), deterministic in seed. Each one
+    runs without error on its 6 cases, has 3 edits that undo themselves (as most held-out functions
+    do: 2-edit functions are already many among the templates), at least one of which
+    breaks a public case, reads in at most 40 words (as the templates do) in every edited form, and
+    is none of the held-out functions' reachable forms. Candidates are run
+    in batches, one sandbox process per batch."""
+    rng, out = random.Random(f'bugfix-gen:{seed}'), []
+    names = dict(f='f', a='a', b='b', c='c', xs='xs', i='i', e='e', s='s', K=0)
+    while len(out) < n:
+        batch = []
+        for _ in range(2 * n):
+            code, lst, n_scal = _gen_code(rng)
+            src = code.format(**names)
+            ops = _involutive_ops(src)
+            short = all(len(read_observation(x).split()) <= 40 for x in reachable_sources(src))
+            if len(ops) == 3 and short and not {_renamed(x) for x in reachable_sources(src)} & _heldout_forms():
+                batch.append((code, src, ops, _gen_args(rng, lst, n_scal, 6)))
+        jobs = [(x, 'f', cases) for _, src, ops, cases in batch for x in [src] + [apply_op(src, op) for op in ops]]
+        for (x, _, cases), res in zip(jobs, _run_jobs(jobs)):
+            _RESULTS.update({(x, repr(a)): r for a, r in zip(cases, res)})
+        for code, src, ops, cases in batch:
+            want = run_cases(src, cases)
+            if len(out) == n or any(r is None for r in want) or len({r[0] for r in want}) < 2:
+                continue
+            broken = [op for op in ops if run_cases(apply_op(src, op), cases[:2]) != want[:2]]
+            if broken:
+                out.append(Template(f'gen{len(out)}', code, broken[0], tuple(cases[:2]), tuple(cases[2:])))
+    return out
 
 # -----------------------------------------------------------------------------
 # running tests: only ever in a sandbox subprocess; results cached per (source, case)

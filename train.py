@@ -70,6 +70,7 @@ config = dict(
     max_obs_tokens=400,          # searchqa: tokens of search results per observation
     train_tasks=0,               # 0 = the gym's default
     train_variants=24,           # bugfix: variants per training function (names, constants, which op broke it)
+    train_generated=0,           # bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
     eval_samples=4,              # sampled episodes per held-out task at each evaluation
     # warm start (SFT on scripted episodes)
@@ -183,7 +184,7 @@ def load_config(argv, defaults=config):
                 'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
         if cfg[key] < 1:
             fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
-    for key in ('threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
+    for key in ('threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks', 'train_generated',
                 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
         if cfg[key] < 0:
             fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
@@ -218,7 +219,7 @@ def setup_gym(cfg):
     name = cfg['gym']
     if name == 'bugfix':
         import gym
-        train_tasks = gym.make_tasks('train', n_variants=cfg['train_variants'])
+        train_tasks = gym.make_tasks('train', n_variants=cfg['train_variants'], n_generated=cfg['train_generated'])
         eval_tasks = gym.make_tasks('heldout')
         tok = gym.build_tokenizer(gym.bugfix_texts(train_tasks + eval_tasks))
         eval_tasks = eval_tasks[:cfg['eval_tasks'] or len(eval_tasks)]

@@ -56,6 +56,37 @@ def test_heldout_functions_never_in_train():
     assert not any(tpl.code in codes for tpl in gym.TEMPLATES if tpl.name in gym.HELDOUT)
 
 
+GENERATED = gym.generated_templates(30)
+
+
+def test_generated_functions_are_valid_and_never_heldout():
+    assert gym.generated_templates(30) == GENERATED and gym.generated_templates(30, seed=1) != GENERATED
+    assert len({tpl.code for tpl in GENERATED}) == 30 and [t.name for t in GENERATED] == [f'gen{k}' for k in range(30)]
+    held = gym._heldout_forms()
+    assert len(held) >= 8 * 4  # every held-out function and its edited forms
+    for tpl in GENERATED:
+        task = gym.make_task(tpl, 0, 0)
+        assert task.source != task.fixed and len(task.hidden) == 6
+        assert len(gym._involutive_ops(task.fixed)) == 3
+        assert not {gym._renamed(x) for x in gym.reachable_sources(task.fixed)} & held
+        assert all(r is not None for r in gym.run_cases(task.fixed, task.hidden))   # runs on every case
+        assert not gym.all_pass(gym.check(task, task.source))                        # the bug shows in `test`
+        assert all(len(gym.read_observation(x).split()) <= 40 for x in gym.reachable_sources(task.source))
+    # the check above can fail: a held-out function's code is one of the forms it rejects
+    clamp = next(t for t in HELDOUT if t.template == 'clamp')  # variant names, not the canonical ones
+    assert gym._renamed(clamp.source) in held and gym._renamed(clamp.fixed) in held
+
+
+def test_generated_functions_join_training_only():
+    train = gym.make_tasks('train', n_variants=2, n_generated=30)
+    gen = [t for t in train if t.template.startswith('gen')]
+    assert len(gen) == 30 * min(2, gym.GEN_VARIANTS) and len(train) == len(gen) + len(gym.TEMPLATES) * 2 - 2 * len(gym.HELDOUT)
+    assert {t.template for t in gen} == {tpl.name for tpl in GENERATED}
+    assert all(gym.all_pass(gym.check(t, gym.apply_op(t.source, t.bug), hidden=True)) for t in gen)
+    assert gym.make_tasks('heldout', n_variants=2) == gym.make_tasks('heldout', n_variants=2)
+    assert not any(t.template.startswith('gen') for t in gym.make_tasks('all', n_variants=1))
+
+
 def test_tasks_deterministic_and_varied():
     assert gym.make_tasks('train') == TRAIN and gym.make_tasks('train', seed=1) != TRAIN
     for name in {t.template for t in ALL}:
