@@ -895,19 +895,18 @@ def _tester(rng, task):
 
 
 def _warmstart(rng, task):
-    """Sensible order without knowing the repair: read, the first listed edit, test, then (whatever
-    the test said) submit or undo and try the next listed edit. It does not condition on the test
-    result: learning to do so is left to RL. It always tests: a warm start that sometimes submits
-    untested lets RL settle on 'edit, submit' (the any-edit baseline) before it learns to read the
-    tests. It follows the listed order: which edit comes next is then a copy from the read
-    observation, and RL is left with the decision that generalises, submit or undo."""
+    """Sensible order without knowing the repair and without reading the tests: read, then every
+    listed edit in the listed order, each tested and undone, the last one kept, then submit. It tests
+    every edit (a warm start that submits untested lets RL settle on 'edit, submit', the any-edit
+    baseline) and never acts on a verdict: learning to submit when the tests pass is left to RL.
+    Following the list to its end shows every position of it (the third edit as often as the first),
+    so which edit comes next is a copy from the read observation, on any function."""
     ops = listed_ops((yield _call('read')))
     for n, op in enumerate(ops):
         yield _call('edit', op)
         yield _call('test')
-        if n == len(ops) - 1 or rng.random() < 0.5:
-            break
-        yield _call('undo')
+        if n < len(ops) - 1:
+            yield _call('undo')
     yield _call('submit')
 
 

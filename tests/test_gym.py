@@ -131,9 +131,10 @@ def test_read_lists_the_applicable_edits_in_a_per_task_order():
         if len(listed) == 3:
             orders.add(tuple(list(gym.EDIT_OPS).index(op) for op in listed))
     assert len(orders) >= 4  # not the EDIT_OPS order everywhere: the list must be read
-    for ep in episodes('warmstart', ALL, [0]):  # the warm start copies the list, in its order
+    for ep in episodes('warmstart', ALL, [0]):  # the warm start copies the whole list, in its order
         edits = [a.split()[2] for a in ep['actions'] if a.split()[1] == 'edit']
-        assert edits == gym.listed_ops(ep['observations'][0])[:len(edits)]
+        assert edits == gym.listed_ops(ep['observations'][0])
+        assert [a.split()[1] for a in ep['actions']].count('test') == len(edits)  # every edit tested
     assert gym.listed_ops('ok') == []
 
 
