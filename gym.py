@@ -200,16 +200,15 @@ def applicable_ops(read_text):
     return [op for op, f in EDIT_OPS.items() if f(ws) is not None]
 
 
-def read_observation(source, order=''):
+def read_observation(source):
     """The `read` tool's text: the compact source, then the edits that have a site in it, as an
-    editor lists its quick fixes: `def f ( a ) : <nl> ... <nl> edits : fix_operator flip_compare`.
-    Which one repairs the bug is for the tests to tell. The list is in an order drawn from the string
-    `order` (the env passes the task id: fixed within an episode, different across tasks), so a policy
-    has to read the list rather than recall which edits a function like this one usually has."""
+    editor lists its quick fixes: `def f ( a ) : <nl> ... <nl> edits : flip_compare fix_operator`.
+    Which one repairs the bug is for the tests to tell. The list is always in EDIT_OPS order: trying
+    the listed edits in turn is then a walk along one fixed order that skips what is not listed, which
+    a 2-layer model learns exactly and carries to unseen functions (with the list in a per-task order,
+    the next edit after an undo was the next listed one in 31% of held-out cases, 87% in this order)."""
     text = compact(source)
-    ops = applicable_ops(text)
-    random.Random(f'edits:{order}').shuffle(ops)
-    return f"{text} <nl> edits : {' '.join(ops)}"
+    return f"{text} <nl> edits : {' '.join(applicable_ops(text))}"
 
 
 def listed_ops(observation):
@@ -808,7 +807,7 @@ class BugFixEnv:
             return call
         tool, op = call
         if tool == 'read':
-            return read_observation(self.source, self.task.id)
+            return read_observation(self.source)
         if tool == 'edit':
             new = apply_op(self.source, op)
             if new is None:
