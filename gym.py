@@ -523,8 +523,9 @@ def _gen_code(rng):
         pool = ['{e}', '{s}'] + scal
         body = rng.choice([f'if {cond(["{e}"])} : {{s}} = {expr(pool)}', f'{{s}} = {expr(pool)}',
                            f'if {cond(["{e}"])} : {{s}} += 1', '{s} += {e}', '{s} -= {e}'])
-        lines = [init, '\n'.join([f'for {{e}} in {{xs}} :', f'    {body}']) if body.startswith('if') and rng.random() < 0.5
-                 else f'for {{e}} in {{xs}} : {body}', f'return {expr(["{s}"] + atoms[:1])}']
+        nested = body.startswith('if') and rng.random() < 0.5  # the if on a line of its own
+        loop = f'for {{e}} in {{xs}} :\n    {body}' if nested else f'for {{e}} in {{xs}} : {body}'
+        lines = [init, loop, f'return {expr(["{s}"] + atoms[:1])}']
     elif shape == 'comp':
         c = cond(['{e}'])
         lines = [rng.choice([f'return len ( [ {{e}} for {{e}} in {{xs}} if {c} ] )',
