@@ -255,13 +255,18 @@ def _number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+_NOTICES = set()
+
+
 def plot_metrics(metrics_path, png_path):
     """A 3x3 PNG of the main curves of metrics.jsonl against step (see PANELS). Keys a run did not
-    log leave their panel empty. Returns png_path, or None (one notice printed) without matplotlib."""
+    log leave their panel empty. Returns png_path, or None without matplotlib (a notice, once per process)."""
     try:
         from matplotlib.figure import Figure  # no pyplot: the Agg canvas, no global figure state
     except ImportError:
-        print('plot_metrics: matplotlib is not installed, no curves (pip install matplotlib)')
+        if not _NOTICES:  # once per process: train.py calls this at every evaluation
+            print('plot_metrics: matplotlib is not installed, no curves (pip install matplotlib)')
+        _NOTICES.add('matplotlib')
         return None
     rows = read_metrics(metrics_path)
     fig = Figure(figsize=(13, 9), layout='constrained')
