@@ -452,9 +452,9 @@ def make_tasks(split, seed=0, n_variants=N_VARIANTS, n_generated=0):
     if split == 'all':
         return make_tasks('train', seed, n_variants, n_generated) + make_tasks('heldout', seed, n_variants)
     train = split == 'train'
-    tpls = [t for t in TEMPLATES if (t.name in HELDOUT) != train]
-    tpls += generated_templates(n_generated, seed) if train else []
-    n_var = {t.name: min(n_variants, GEN_VARIANTS) if t.name.startswith('gen') else n_variants for t in tpls}
+    generated = generated_templates(n_generated, seed) if train else []
+    tpls = [t for t in TEMPLATES if (t.name in HELDOUT) != train] + generated
+    n_var = {t.name: min(n_variants, GEN_VARIANTS) if t in generated else n_variants for t in tpls}
     targets = {(t.name, v): _targets(t, seed, v) if train else [()] for t in tpls for v in range(n_var[t.name])}
     drafts = [make_task(t, seed, v, op, target) for t in tpls for v in range(n_var[t.name])
               for target in targets[t.name, v] for op in _involutive_ops(make_task(t, seed, v, target=target).fixed)]
@@ -506,7 +506,6 @@ def _gen_code(rng):
         return c if rng.random() < 0.6 else f'{c} {rng.choice(["and", "or"])} {compare(pool)}'
 
     shape = rng.choice(['guard', 'range', 'list', 'bool', 'comp'] if lst else ['guard', 'range', 'bool'])
-    lines = []
     if shape == 'guard':
         lines = [f'if {cond(atoms)} : return {expr(atoms)}', f'return {expr(atoms)}']
     elif shape == 'bool':
@@ -526,7 +525,7 @@ def _gen_code(rng):
         nested = body.startswith('if') and rng.random() < 0.5  # the if on a line of its own
         loop = f'for {{e}} in {{xs}} :\n    {body}' if nested else f'for {{e}} in {{xs}} : {body}'
         lines = [init, loop, f'return {expr(["{s}"] + atoms[:1])}']
-    elif shape == 'comp':
+    else:  # comp
         c = cond(['{e}'])
         lines = [rng.choice([f'return len ( [ {{e}} for {{e}} in {{xs}} if {c} ] )',
                              f'return sum ( {{e}} for {{e}} in {{xs}} if {c} )'])]
@@ -545,6 +544,9 @@ def _gen_args(rng, lst, n_scal, n):
     return [tuple(list(a) if isinstance(a, tuple) else a for a in t) for t in out]
 
 
+CANONICAL_NAMES = dict(f='f', a='a', b='b', c='c', xs='xs', i='i', e='e', s='s', K=0)  # placeholders as themselves
+
+
 def _renamed(source):
     """A source with its names replaced by n0, n1, ... in order of first use (equal up to renaming)."""
     pool, seen = set(FN_NAMES + SCALARS + LISTS + LOOPS + ACCS), {}
@@ -554,31 +556,28 @@ def _renamed(source):
 @lru_cache(maxsize=None)
 def _heldout_forms():
     """Every held-out function and its edited forms, up to renaming (see _renamed) -> set[str]."""
-    names = dict(f='f', a='a', b='b', c='c', xs='xs', i='i', e='e', s='s', K=0)
-    return {_renamed(src) for t in TEMPLATES if t.name in HELDOUT for src in reachable_sources(t.code.format(**names))}
+    return {_renamed(src) for t in TEMPLATES if t.name in HELDOUT
+            for src in reachable_sources(t.code.format(**CANONICAL_NAMES))}
 
 
 def generated_templates(n, seed=0):
     """n random training functions (Template, names gen0, gen1, ...), deterministic in seed. Each one
     runs without error on its 6 cases, has 3 edits that undo themselves (as most held-out functions
-    do: 2-edit functions are already many among the templates), at least one of which
-    breaks a public case, reads in at most 40 words (as the templates do) in every edited form, and
-    is none of the held-out functions' reachable forms. Candidates are run
-    in batches, one sandbox process per batch."""
+    do; the templates already have many 2-edit ones), at least one of which breaks a public case,
+    reads in at most 40 words in every edited form (as the templates do), and is none of the held-out
+    functions' forms up to renaming. Candidates run in batches, one sandbox process per batch."""
     rng, out = random.Random(f'bugfix-gen:{seed}'), []
-    names = dict(f='f', a='a', b='b', c='c', xs='xs', i='i', e='e', s='s', K=0)
     while len(out) < n:
         batch = []
         for _ in range(2 * n):
             code, lst, n_scal = _gen_code(rng)
-            src = code.format(**names)
+            src = code.format(**CANONICAL_NAMES)
             ops = _involutive_ops(src)
-            short = all(len(read_observation(x).split()) <= 40 for x in reachable_sources(src))
-            if len(ops) == 3 and short and not {_renamed(x) for x in reachable_sources(src)} & _heldout_forms():
+            forms = reachable_sources(src) if len(ops) == 3 else ()
+            if (forms and all(len(read_observation(x).split()) <= 40 for x in forms)
+                    and not {_renamed(x) for x in forms} & _heldout_forms()):
                 batch.append((code, src, ops, _gen_args(rng, lst, n_scal, 6)))
-        jobs = [(x, 'f', cases) for _, src, ops, cases in batch for x in [src] + [apply_op(src, op) for op in ops]]
-        for (x, _, cases), res in zip(jobs, _run_jobs(jobs)):
-            _RESULTS.update({(x, repr(a)): r for a, r in zip(cases, res)})
+        _run_and_cache([(x, 'f', cases) for _, src, ops, cases in batch for x in [src] + [apply_op(src, op) for op in ops]])
         for code, src, ops, cases in batch:
             want = run_cases(src, cases)
             if len(out) == n or any(r is None for r in want) or len({r[0] for r in want}) < 2:
@@ -685,9 +684,14 @@ def run_cases(source, cases):
     (repr, words) or None (exception / time limit). Cached: a repeat spawns no process."""
     missing = list({repr(a): a for a in cases if (source, repr(a)) not in _RESULTS}.values())
     if missing:
-        for a, r in zip(missing, _run_jobs([(source, _fn_name(source), missing)])[0]):
-            _RESULTS[source, repr(a)] = r
+        _run_and_cache([(source, _fn_name(source), missing)])
     return [_RESULTS[source, repr(a)] for a in cases]
+
+
+def _run_and_cache(jobs):
+    """Run jobs [(source, fn name, cases)] in one sandbox process; their results go into _RESULTS."""
+    for (src, _, cases), res in zip(jobs, _run_jobs(jobs) if jobs else []):
+        _RESULTS.update({(src, repr(a)): r for a, r in zip(cases, res)})
 
 
 def precompute_results(tasks):
@@ -699,9 +703,7 @@ def precompute_results(tasks):
         for src in (*reachable_sources(t.source), t.fixed):
             jobs.setdefault(src, {}).update({repr(a): a for a in t.hidden if (src, repr(a)) not in _RESULTS})
     jobs = [(src, _fn_name(src), list(cases.values())) for src, cases in jobs.items() if cases]
-    for (src, _, cases), res in zip(jobs, _run_jobs(jobs) if jobs else []):
-        for a, r in zip(cases, res):
-            _RESULTS[src, repr(a)] = r
+    _run_and_cache(jobs)
     return sum(len(c) for _, _, c in jobs)
 
 

@@ -246,6 +246,8 @@ def _parse_report(task, stdout, tag):
 
 _CACHE = OrderedDict()
 _CACHE_LOCK = threading.Lock()
+CACHE_SIZE = 4096
+
 # CPython 3.11 keeps the AST builder's recursion counter per interpreter, not per thread: two threads
 # building ASTs at once (a garbage-collector finalizer can switch threads mid-build) raise
 # "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). Every AST built in
@@ -257,7 +259,6 @@ def parse_ast(source, mode="exec"):
     """ast.parse(source, mode=mode) under a process-wide lock; raises what ast.parse raises."""
     with _AST_LOCK:
         return ast.parse(source, mode=mode)
-CACHE_SIZE = 4096
 
 
 def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):

@@ -264,9 +264,9 @@ def plot_metrics(metrics_path, png_path):
     try:
         from matplotlib.figure import Figure  # no pyplot: the Agg canvas, no global figure state
     except ImportError:
-        if not _NOTICES:  # once per process: train.py calls this at every evaluation
+        if 'matplotlib' not in _NOTICES:  # once per process: train.py calls this at every evaluation
             print('plot_metrics: matplotlib is not installed, no curves (pip install matplotlib)')
-        _NOTICES.add('matplotlib')
+            _NOTICES.add('matplotlib')
         return None
     rows = read_metrics(metrics_path)
     fig = Figure(figsize=(13, 9), layout='constrained')

@@ -184,8 +184,8 @@ def load_config(argv, defaults=config):
                 'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
         if cfg[key] < 1:
             fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
-    for key in ('threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks', 'train_generated',
-                'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
+    for key in ('threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
+                'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
         if cfg[key] < 0:
             fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
     if cfg['max_len'] < cfg['max_response_tokens'] + 16:
