@@ -22,6 +22,7 @@ def run_train(*args):
     (['--device=tpu'], "config key 'device': unknown device 'tpu'"),
     (['--lr_rate=1'], "unknown config key 'lr_rate' (did you mean 'lr'?)"),
     (['config'], 'config file is a directory: config'),
+    (['--train_generated=-1'], "config key 'train_generated' must be >= 0, got -1"),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
     p = run_train(*args)

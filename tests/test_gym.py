@@ -85,6 +85,11 @@ def test_generated_functions_join_training_only():
     assert all(gym.all_pass(gym.check(t, gym.apply_op(t.source, t.bug), hidden=True)) for t in gen)
     assert gym.make_tasks('heldout', n_variants=2) == gym.make_tasks('heldout', n_variants=2)
     assert not any(t.template.startswith('gen') for t in gym.make_tasks('all', n_variants=1))
+    # the tokenizer train.py builds covers every text of the scripted policies on them: no <unk>
+    tok = gym.build_tokenizer(gym.bugfix_texts(train + HELDOUT))
+    for kind in ('warmstart', 'tester', 'random', 'hacker', 'oracle'):
+        for ep in episodes(kind, gen[:20], [0, 1]):
+            assert all(tok.unk_id not in tok.encode(x) for x in [ep['prompt']] + ep['actions'] + ep['observations'])
 
 
 def test_tasks_deterministic_and_varied():
