@@ -15,10 +15,10 @@ tokens processed per episode (TT) and mean peak context (PT), per number of obje
 (mean +- std over seeds) is printed in markdown and written with the per-run numbers to
 OUT/ablation.json. A run whose metrics already hold the final step is not run again (--rerun forces it).
 
-Flags of this script: --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4 --rerun --dry_run.
+Flags of this script: --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4 --jobs=1 --rerun --dry_run.
 
 Simplifications, on purpose:
-1. Runs are sequential subprocesses: no scheduler, no parallelism (two cores are the target machine).
+1. Runs are subprocesses, --jobs of them at a time (default 1): no scheduler, no resource checks.
 2. Seeds change the training draw, the initialisation and the held-out worlds together.
 """
 
@@ -27,6 +27,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from sample import read_metrics
 
@@ -44,7 +45,7 @@ METRICS = ('em', 'f1', 'tt', 'pt')
 def parse_args(argv):
     """Split argv into this script's options (dict) and the --key=value list passed to train.py."""
     opts = dict(quick=False, seeds='1,2,3', out='out/ablate', config='config/tiny_mem.yaml', ks='1,2,4',
-                rerun=False, dry_run=False)
+                rerun=False, dry_run=False, jobs=1)
     passthrough = []
     for arg in argv:
         key, eq, val = arg.lstrip('-').partition('=')
@@ -56,6 +57,7 @@ def parse_args(argv):
         opts['seeds'] = '1'
     opts['seeds'] = [int(s) for s in str(opts['seeds']).split(',')]
     opts['ks'] = [int(k) for k in str(opts['ks']).split(',')]
+    opts['jobs'] = int(opts['jobs'])
     return opts, passthrough
 
 
@@ -69,6 +71,13 @@ def final_eval(metrics_path):
         return None
     rows = [r for r in read_metrics(metrics_path) if 'eval_em' in r]
     return rows[-1] if rows else None
+
+
+def is_finished(out_dir):
+    """True when the run in out_dir has logged its evaluation at its config's final step."""
+    last = final_eval(os.path.join(out_dir, 'metrics.jsonl'))
+    cfg_path = os.path.join(out_dir, 'config.json')
+    return last is not None and os.path.exists(cfg_path) and last['step'] == json.load(open(cfg_path))['steps']
 
 
 def mean_std(xs):
@@ -122,26 +131,29 @@ def main(argv):
         return None
     opts, passthrough = parse_args(argv)
     extra = (QUICK if opts['quick'] else []) + passthrough
-    results = {}
-    for variant, overrides in VARIANTS.items():
-        results[variant] = []
-        for seed in opts['seeds']:
-            d = run_dir(opts['out'], variant, seed)
-            cmd = [sys.executable, 'train.py', opts['config'], *overrides, f'--seed={seed}', f'--out_dir={d}', *extra]
-            print(' '.join(cmd[1:]), flush=True)
-            if opts['dry_run']:
-                continue
-            last = final_eval(os.path.join(d, 'metrics.jsonl'))
-            cfg_path = os.path.join(d, 'config.json')
-            done = last is not None and os.path.exists(cfg_path) and last['step'] == json.load(open(cfg_path))['steps']
-            if opts['rerun'] or not done:
-                if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:  # its progress bar stays on stderr
-                    print(f'error: the {variant} run (seed {seed}) failed; its own error is above', file=sys.stderr)
-                    sys.exit(2)
-                last = final_eval(os.path.join(d, 'metrics.jsonl'))
-            results[variant].append(dict(last, out_dir=d))
+    runs = [(variant, seed) for variant in VARIANTS for seed in opts['seeds']]
+    todo = []
+    for variant, seed in runs:
+        d = run_dir(opts['out'], variant, seed)
+        cmd = [sys.executable, 'train.py', opts['config'], *VARIANTS[variant], f'--seed={seed}', f'--out_dir={d}', *extra]
+        print(' '.join(cmd[1:]), flush=True)
+        if not opts['dry_run'] and (opts['rerun'] or not is_finished(d)):
+            todo.append((variant, seed, cmd))
     if opts['dry_run']:
         return None
+    # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting); the
+    # full-history runs are the longest, so they start first
+    todo.sort(key=lambda job: job[0] != 'grpo_full')
+    with ThreadPoolExecutor(max_workers=opts['jobs']) as pool:
+        codes = list(pool.map(lambda job: subprocess.run(job[2], stdout=subprocess.DEVNULL).returncode, todo))
+    for (variant, seed, _), code in zip(todo, codes):
+        if code:  # its progress bar and its own error stay on stderr
+            print(f'error: the {variant} run (seed {seed}) failed; its own error is above', file=sys.stderr)
+            sys.exit(2)
+    results = {variant: [] for variant in VARIANTS}
+    for variant, seed in runs:
+        d = run_dir(opts['out'], variant, seed)
+        results[variant].append(dict(final_eval(os.path.join(d, 'metrics.jsonl')), out_dir=d))
     agg = aggregate(results, opts['ks'])
     table = markdown_table(agg, opts['ks'])
     print(table)

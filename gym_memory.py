@@ -275,8 +275,8 @@ def make_tasks(split, n, seed=0, n_objectives=None, hops=(2, 3)):
     """n memory tasks of one split, each with its own world.
 
     split: 'train' or 'heldout' (different seed streams, so different worlds).
-    n_objectives: (lo, hi) inclusive range of sub-questions per task; default (1, 3) for train and
-    (1, 4) for heldout, which so also tests one more objective than training saw. hops: (lo, hi)
+    n_objectives: (lo, hi) inclusive range of sub-questions per task; default (1, 4) for train and
+    (1, 5) for heldout, which so also tests one more objective than training saw. hops: (lo, hi)
     inclusive hops per sub-question.
     Returns list[MemoryTask]; deterministic in (split, n, seed, ranges). Raises ValueError on an
     unknown split.
@@ -284,9 +284,10 @@ def make_tasks(split, n, seed=0, n_objectives=None, hops=(2, 3)):
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}")
     if n_objectives is None:
-        # a tiny model does not extrapolate a <mem> holding several found answers from training on
-        # at most one (k=3, 4 scored 0 after train k <= 2): train up to 3, hold out up to 4
-        n_objectives = (1, 3) if split == "train" else (1, 4)
+        # a tiny model does not extrapolate far in question length: after training on k <= 3, the
+        # warm-started agent began 58 of 60 held-out k=4 episodes on the wrong objective (both agents
+        # see the same first turn). Train up to 4, hold out up to 5: k=5 is the one-more test.
+        n_objectives = (1, 4) if split == "train" else (1, 5)
     chains = {h: _chains(h) for h in range(hops[0], hops[1] + 1)}
     tasks = []
     for i in range(n):

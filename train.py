@@ -77,7 +77,7 @@ config = dict(
     warmstart_episodes=512,
     warmstart_steps=200,
     warmstart_lr=3e-3,
-    warmstart_batch_size=32,
+    warmstart_batch_size=32,     # episodes per step, with all their rows (folding: one row per turn)
     # RL
     steps=100,
     batch_size=8,                # tasks per step
@@ -538,8 +538,19 @@ def evaluate(model, gym_, cfg, step):
     return out
 
 
+def episode_rows(row_episode, n_episodes):
+    """row_episode [R] (collate's episode index of each row) -> list of n_episodes lists of row indices."""
+    rows = [[] for _ in range(n_episodes)]
+    for r, e in enumerate(row_episode.tolist()):
+        rows[e].append(r)
+    return rows
+
+
 def warm_start(model, gym_, cfg, rng):
-    """Cross-entropy on the policy tokens of scripted episodes (tool and template tokens excluded)."""
+    """Cross-entropy on the policy tokens of scripted episodes (tool and template tokens excluded).
+    Each step draws warmstart_batch_size episodes with all their rows, so folded and full-history
+    agents imitate the same number of turns per step. Returns the mean loss of the last 10 steps
+    (nats per policy token), or None when there is no warm start."""
     n = cfg['warmstart_episodes']
     if n == 0 or cfg['warmstart_steps'] == 0 or gym_['warm_policy'] is None:
         return None
@@ -549,7 +560,9 @@ def warm_start(model, gym_, cfg, rng):
     batch = collate(trajs, gym_['fmt'].pad_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()
-    R = len(batch['ids'])
+    # a batch is warmstart_batch_size EPISODES with all their rows: a folded episode has one row per
+    # turn, and drawing rows would give folding ~1/turns of the targets full history gets per step
+    rows_of = episode_rows(batch['row_episode'], len(trajs))
     losses = []
     for it in range(cfg['warmstart_steps']):
         # 30-step ramp, then cosine decay to 10%: the scripted targets are deterministic, and at a
@@ -557,7 +570,7 @@ def warm_start(model, gym_, cfg, rng):
         frac = it / cfg['warmstart_steps']
         for g in opt.param_groups:
             g['lr'] = cfg['warmstart_lr'] * min(1.0, (it + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        idx = torch.tensor([rng.randrange(R) for _ in range(cfg['warmstart_batch_size'])])
+        idx = torch.tensor([r for _ in range(cfg['warmstart_batch_size']) for r in rows_of[rng.randrange(n)]])
         L = int(batch['attention_mask'][idx].sum(1).max())
         am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
         logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),

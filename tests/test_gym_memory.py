@@ -143,8 +143,8 @@ def test_worlds_differ_across_tasks_and_splits():
 
 def test_objective_counts_and_hops():
     tr, he = g.make_tasks("train", 200), g.make_tasks("heldout", 200)
-    assert {len(t.golds) for t in tr} == {1, 2, 3}
-    assert {len(t.golds) for t in he} == {1, 2, 3, 4}
+    assert {len(t.golds) for t in tr} == {1, 2, 3, 4}
+    assert {len(t.golds) for t in he} == {1, 2, 3, 4, 5}
     assert all(2 <= h <= 3 for t in tr + he for h in t.hops)
     assert all(len(t.question.split(" ; ")) == len(t.golds) == len(t.hops) for t in tr + he)
 

@@ -86,3 +86,24 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     assert f'checkpoint {newest} is corrupt' in p.stderr
     assert 'resumed from' in p.stdout and 'ckpt_000003.pt' in p.stdout
     assert metrics(tmp_path) == reference
+
+
+
+def test_warm_start_batches_whole_episodes(monkeypatch):
+    """A folded episode is one row per turn: each warm-start step must hold every row of the episodes
+    it draws (drawing single rows gave folding ~1/6 of the targets full history got per step)."""
+    import train as T
+    assert T.episode_rows(torch.tensor([0, 0, 1, 2, 2, 2]), 4) == [[0, 1], [2], [3, 4, 5], []]
+    real, rows = T.sequence_log_probs, []
+    monkeypatch.setattr(T, 'sequence_log_probs', lambda m, ids, am: rows.append(ids.shape[0]) or real(m, ids, am))
+    for keep in (1, 'all'):
+        rows.clear()
+        cfg = T.load_config(['config/tiny_mem.yaml', f'--keep_tool_results={keep}', '--warmstart_episodes=6',
+                             '--warmstart_steps=4', '--warmstart_batch_size=3', '--device=cpu'])
+        g = T.setup_gym(cfg)
+        assert T.warm_start(T.load_policy(cfg, g['tok'].vocab_size), g, cfg, random.Random(0)) > 0
+        rng = random.Random(0)  # replay warm_start's draws: 6 tasks, then 3 episodes per step
+        tasks = [rng.choice(g['train_tasks']) for _ in range(6)]
+        turns = [sum(t.hops) + 1 for t in tasks]  # the oracle searches once per hop, then answers
+        want = [sum(turns[rng.randrange(6)] for _ in range(3)) for _ in range(4)]
+        assert rows == (want if keep == 1 else [3] * 4)
