@@ -74,8 +74,12 @@ def test_logp_gap_batched_kv_rollout_full_history_and_folded(mem_setup):
             logp = sequence_log_probs(model, b['ids'], b['attention_mask'])
         gap = ((logp - b['sample_logp']).abs() * b['action_mask']).max()
         assert b['action_mask'].sum() > 100 and gap <= 1e-5
-        if keep == 'all':  # prefix-stable: one row per episode, identical to the full sequence
-            assert all(len(t.rows) == 1 and torch.equal(t.rows[0]['ids'], t.ids) for t in trajs)
+        if keep == 'all':  # prefix-stable: one row per episode, identical to the full sequence ...
+            for t in trajs:
+                n = len(t.rows[0]['ids'])
+                assert len(t.rows) == 1 and torch.equal(t.rows[0]['ids'], t.ids[:n])
+                # ... up to the last observation of a truncated episode: no turn was sampled after it
+                assert n == len(t.ids) or (t.info['stop'] == 'truncated' and (t.owner[n:] != OWNER['policy']).all())
         else:  # folded: one row per turn
             assert all(len(t.rows) == len(t.turns) for t in trajs)
 
