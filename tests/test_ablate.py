@@ -20,7 +20,7 @@ def _write_run(tmp_path, variant, seed, em_k2, pt_k4, steps=5):
 
 def test_parse_args_splits_own_flags_from_train_overrides():
     opts, rest = ablate.parse_args(['--quick', '--out=/x', '--steps=3', 'config/other.yaml'])
-    assert opts['quick'] and opts['out'] == '/x' and opts['seeds'] == [1] and opts['ks'] == [1, 2, 4]
+    assert opts['quick'] and opts['out'] == '/x' and opts['seeds'] == [1] and opts['ks'] == [1, 2, 4, 5]
     assert rest == ['--steps=3', 'config/other.yaml']
     assert ablate.parse_args(['--seeds=4,5'])[0]['seeds'] == [4, 5]
 

@@ -107,3 +107,19 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
         turns = [sum(t.hops) + 1 for t in tasks]  # the oracle searches once per hop, then answers
         want = [sum(turns[rng.randrange(6)] for _ in range(3)) for _ in range(4)]
         assert rows == (want if keep == 1 else [3] * 4)
+
+
+def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
+    """config/tiny_mem.yaml end to end, shrunk: the MemPO metrics the issue names reach metrics.jsonl."""
+    train(tmp_path, 'config/tiny_mem.yaml', '--gym=memory', '--warmstart_steps=3', '--warmstart_batch_size=2',
+          '--steps=2', '--eval_every=2', '--eval_tasks=10', '--train_tasks=20', '--n_embd=32',
+          f'--out_dir={tmp_path}')  # after the YAML file, which sets its own out_dir
+    rows = metrics(tmp_path)
+    last = rows[-1]
+    assert [r['step'] for r in rows] == [0, 1, 2]
+    for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'mem_tokens_mean', 'tt', 'pt', 'em', 'f1'):
+        assert key in rows[1] and rows[1][key] == rows[1][key], key  # present and not NaN
+    ks = sorted(int(k.split('_k')[1]) for k in last if k.startswith('eval_em_k'))
+    assert ks and set(ks) <= {1, 2, 3, 4, 5}
+    for k in ks:
+        assert 0 <= last[f'eval_em_k{k}'] <= 1 and last[f'eval_pt_k{k}'] <= last[f'eval_tt_k{k}']
