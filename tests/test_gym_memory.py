@@ -169,6 +169,29 @@ def test_oracle_succeeds_with_only_folded_context():
             assert g.extract_answer(full[-1]) == " ".join(g.gold_answer_text(t).split()[1:-1])
 
 
+def test_oracle_memory_keeps_the_root_of_the_pending_objective():
+    q = "country of birthplace of director of moonfall ; founder of acme"
+    assert g.oracle_mem(q, None, None) == "moonfall moonfall directed by born in located in"
+    m = g.oracle_mem(q, "moonfall moonfall directed by born in located in", "moonfall directed by ada")
+    assert m == "moonfall ada born in located in"
+    assert g.oracle_mem(q, "moonfall ada born in located in", "ada born in varn") == "moonfall varn located in"
+    # the last hop found: the segment becomes the answer and the objective after root moonfall opens
+    m = g.oracle_mem(q, "moonfall varn located in", "varn located in arvenia")
+    assert m == "arvenia ; acme acme founded by"
+    assert g.oracle_policy(q, m, None) == f"{m} </mem> <search> acme founded by </search>"
+    done = g.oracle_mem(q, "arvenia ; acme acme founded by", "acme founded by bo")
+    assert done == "arvenia ; bo" and g.oracle_policy(q, "arvenia ; acme acme founded by", "acme founded by bo") \
+        == "arvenia ; bo </mem> <answer> arvenia ; bo </answer>"
+    # a fact that does not match the pending hop changes nothing
+    assert g.oracle_mem(q, "moonfall ada born in located in", "bo born in varn") == "moonfall ada born in located in"
+
+
+def test_roots_distinct_within_a_question():
+    for t in g.make_tasks("heldout", 300) + g.make_tasks("train", 300):
+        roots = [q.split()[-1] for q in t.question.split(" ; ")]
+        assert len(set(roots)) == len(roots)
+
+
 def test_env_search_observations_and_errors():
     t = g.make_tasks("train", 1)[0]
     env = g.MemoryEnv()
