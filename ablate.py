@@ -31,6 +31,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from sample import read_metrics
+from train import fail
 
 VARIANTS = {  # name -> overrides on top of the config file
     'mempo': [],
@@ -56,9 +57,14 @@ def parse_args(argv):
             passthrough.append(arg)
     if opts['quick'] and not any(a.startswith('--seeds=') for a in argv):
         opts['seeds'] = '1'
-    opts['seeds'] = [int(s) for s in str(opts['seeds']).split(',')]
-    opts['ks'] = [int(k) for k in str(opts['ks']).split(',')]
-    opts['jobs'] = int(opts['jobs'])
+    for key in ('seeds', 'ks', 'jobs'):
+        try:
+            opts[key] = [int(x) for x in str(opts[key]).split(',')]
+        except ValueError:
+            fail(f'--{key} takes integers separated by commas, got {opts[key]!r}')
+    if len(opts['jobs']) != 1 or opts['jobs'][0] < 1:
+        fail(f"--jobs takes one integer >= 1, got {','.join(map(str, opts['jobs']))}")
+    opts['jobs'] = opts['jobs'][0]
     return opts, passthrough
 
 

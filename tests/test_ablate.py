@@ -82,3 +82,11 @@ def test_failed_run_stops_with_one_line(tmp_path, monkeypatch, capsys):
         ablate.main([f'--out={tmp_path}', '--seeds=1', '--jobs=2'])
     assert e.value.code == 2
     assert 'error: the grpo_full run (seed 1) failed' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two'])
+def test_bad_flags_exit_with_one_line(arg, capsys):
+    with pytest.raises(SystemExit) as e:
+        ablate.parse_args([arg])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith('error: --') and err.count('\n') == 1
