@@ -167,6 +167,8 @@ def load_config(argv, defaults=config):
             try:
                 with open(arg) as f:
                     loaded = yaml.safe_load(f) or {}
+            except UnicodeDecodeError:
+                fail(f'cannot read YAML file {arg}: not UTF-8 text')
             except yaml.YAMLError as e:
                 mark = getattr(e, 'problem_mark', None)
                 where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
@@ -188,6 +190,10 @@ def load_config(argv, defaults=config):
                 'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
         if cfg[key] < 0:
             fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
+    if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
+        fail(f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
+    if cfg['threads'] > (os.cpu_count() or 1):
+        fail(f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores")
     if cfg['max_len'] < cfg['max_response_tokens'] + 16:
         fail(f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
              f"max_response_tokens={cfg['max_response_tokens']}")
@@ -663,8 +669,12 @@ def main(argv):
               f"{len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks, {world_size()} process(es)")
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     state, ckpt_path = load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
-    if cfg['resume'] and state is None and master:
-        print(f"no checkpoint in {cfg['out_dir']}: starting from scratch")
+    if cfg['resume'] and state is None:
+        if glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')):  # never delete what could not be read
+            fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
+                 f"move them away or run without --resume")
+        if master:
+            print(f"no checkpoint in {cfg['out_dir']}: starting from scratch")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
     ref_model = None
@@ -698,7 +708,8 @@ def main(argv):
         set_rng_state(state['rng'], rng, gen)
         start = state['step']
         if master:  # metrics logged after the checkpoint belong to steps that will run again
-            lines = [l for l in open(metrics_path) if json.loads(l)['step'] <= start] if os.path.exists(metrics_path) else []
+            lines = [json.dumps(r) + '\n' for r in sample.read_metrics(metrics_path) if r['step'] <= start] \
+                if os.path.exists(metrics_path) else []  # read_metrics skips a line torn by a kill
             open(metrics_path, 'w').writelines(lines)
             print(f'resumed from {ckpt_path} at step {start}')
     if master:

@@ -23,6 +23,8 @@ def run_train(*args):
     (['--lr_rate=1'], "unknown config key 'lr_rate' (did you mean 'lr'?)"),
     (['config'], 'config file is a directory: config'),
     (['--train_generated=-1'], "config key 'train_generated' must be >= 0, got -1"),
+    (['--n_head=3'], "config key 'n_head' (3) must divide n_embd (128)"),
+    (['--threads=100000'], "config key 'threads' (100000) is more than this machine's"),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
     p = run_train(*args)
@@ -36,6 +38,10 @@ def test_bad_yaml_file_exit_2(tmp_path):
     bad.write_text('steps: [1, 2\n')
     p = run_train(str(bad))
     assert p.returncode == 2 and f'cannot parse YAML file {bad}' in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    latin = tmp_path / 'latin.yaml'
+    latin.write_bytes('out_dir: caf\u00e9\n'.encode('latin-1'))
+    p = run_train(str(latin))
+    assert p.returncode == 2 and f'cannot read YAML file {latin}: not UTF-8 text' in p.stderr
     wrong = tmp_path / 'wrong.yaml'
     wrong.write_text('lr: fast\n')
     p = run_train(str(wrong))

@@ -241,7 +241,14 @@ def test_chunked_logprobs_gradients(tiny):
     tiny.zero_grad()
     logits = tiny(ids).logits.float()[:, :-1]
     torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum().backward()
-    assert (g_chunked - w.grad).abs().max() <= 1e-5
+    # lm_head is tied to the embeddings: the input tokens' rows also carry the embedding gradient
+    # (entries up to ~4, float32 rounding ~4e-5 with transformers 5.24); every other row only the
+    # softmax's (entries ~3e-5). Each group is held to 1e-4 of its own largest entry.
+    inputs = torch.zeros(len(w), dtype=torch.bool)
+    inputs[ids.unique()] = True
+    for rows in (inputs, ~inputs):
+        ref = w.grad[rows]
+        assert ref.abs().max() > 0 and (g_chunked[rows] - ref).abs().max() <= 1e-4 * ref.abs().max()
     tiny.zero_grad()
 
 
