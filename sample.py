@@ -377,6 +377,12 @@ def parse_args(argv, defaults=None):
             opts[key] = train.check_key(key, train.parse_value(key, raw, opts[key]), opts)
     if opts.get('split', 'heldout') not in ('heldout', 'train'):
         train.fail(f"--split must be heldout or train, got {opts['split']!r}")
+    if 'n' in opts and opts['n'] < 1:
+        train.fail(f"--n must be >= 1, got {opts['n']}")
+    for key in ('html', 'curves'):  # before any episode runs, not after
+        folder = os.path.dirname(opts.get(key) or '.') or '.'
+        if not os.path.isdir(folder):
+            train.fail(f"--{key}={opts[key]}: folder {folder} does not exist")
     return opts, rest
 
 

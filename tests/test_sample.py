@@ -252,6 +252,8 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('evaluate.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
     ('sample.py', ['--metrics_rollout=/nonexistent/r.pt'], 'no rollout dump /nonexistent/r.pt'),
     ('sample.py', ['--curves=c.png', '--out_dir=/nonexistent/run', '--untrained'], '--curves: no metrics.jsonl'),
+    ('sample.py', ['--n=0', '--untrained'], '--n must be >= 1, got 0'),
+    ('sample.py', ['--html=/nonexistent/dir/x.html', '--untrained'], 'folder /nonexistent/dir does not exist'),
 ])
 def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
     import subprocess
