@@ -1,7 +1,7 @@
 """
 MemPO ablation on the memory gym: three agents, several seeds, one table.
 
-    python ablate.py --jobs=2             # full: 3 variants x 3 seeds of config/tiny_mem.yaml (WALL on 2 CPU cores)
+    python ablate.py --jobs=2             # full: 3 variants x 3 seeds of config/tiny_mem.yaml (about 70 min on 2 CPU cores)
     python ablate.py --quick              # 1 seed, short runs: checks the pipeline end to end (minutes)
     python ablate.py --seeds=1,2 --steps=40 --out=out/ablate2   # any --key=value goes to every train.py run
 
