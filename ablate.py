@@ -10,8 +10,9 @@ Variants (everything else from the config file):
   grpo_fold  folding, outcome advantage only (mem_coef=0)
   grpo_full  full history (keep_tool_results=all), outcome advantage only
 Each run is `python train.py CONFIG --key=value ...` in its own process and out_dir (--jobs=2 runs
-two at a time: each uses one thread, so two fill two cores). Its last evaluation line in metrics.jsonl is the result: held-out EM, F1,
-tokens processed per episode (TT) and mean peak context (PT), per number of objectives k. The table
+two at a time: each uses one thread, so two fill two cores). Its last evaluation line in
+metrics.jsonl is the result: held-out EM, F1, tokens processed per episode (TT) and mean peak
+context (PT), per number of objectives k. The table
 (mean +- std over seeds) is printed in markdown and written with the per-run numbers to
 OUT/ablation.json. A run whose metrics already hold the final step is not run again (--rerun forces it).
 
@@ -149,9 +150,8 @@ def main(argv):
             todo.append((variant, seed, cmd))
     if opts['dry_run']:
         return None
-    # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting); the
-    # full-history runs are the longest, so they start first
-    todo.sort(key=lambda job: job[0] != 'grpo_full')
+    # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting), in VARIANTS
+    # order: the MemPO runs, the longest (two extra forward passes per turn for the memory reward), first
     with ThreadPoolExecutor(max_workers=opts['jobs']) as pool:
         codes = list(pool.map(lambda job: subprocess.run(job[2], stdout=subprocess.DEVNULL).returncode, todo))
     for (variant, seed, _), code in zip(todo, codes):

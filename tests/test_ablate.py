@@ -56,7 +56,7 @@ def test_dry_run_prints_one_command_per_variant_and_seed(tmp_path, capsys):
     assert sum('--keep_tool_results=all' in c for c in cmds) == 2 and sum('--mem_coef=0' in c for c in cmds) == 4
 
 
-def test_jobs_runs_every_unfinished_run_once_longest_first(tmp_path, monkeypatch, capsys):
+def test_jobs_runs_every_unfinished_run_once_in_variant_order(tmp_path, monkeypatch, capsys):
     _write_run(tmp_path, 'grpo_fold', 1, 0.75, 62.0)  # finished: not started again
     started = []
 
@@ -71,7 +71,7 @@ def test_jobs_runs_every_unfinished_run_once_longest_first(tmp_path, monkeypatch
     agg = ablate.main([f'--out={tmp_path}', '--seeds=1,2', '--jobs=1'])
     names = [d.rsplit('/', 1)[1] for d in started]
     assert sorted(names) == ['grpo_fold_s2', 'grpo_full_s1', 'grpo_full_s2', 'mempo_s1', 'mempo_s2']
-    assert names[:2] == ['grpo_full_s1', 'grpo_full_s2']  # the longest runs start first
+    assert names == ['mempo_s1', 'mempo_s2', 'grpo_fold_s2', 'grpo_full_s1', 'grpo_full_s2']  # MemPO, the longest, first
     assert agg['grpo_fold']['em_k2'] == (0.625, 0.125) and agg['grpo_fold']['seeds'] == 2
     assert ablate.parse_args(['--jobs=2'])[0]['jobs'] == 2
 
@@ -81,7 +81,7 @@ def test_failed_run_stops_with_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         ablate.main([f'--out={tmp_path}', '--seeds=1', '--jobs=2'])
     assert e.value.code == 2
-    assert 'error: the grpo_full run (seed 1) failed' in capsys.readouterr().err
+    assert 'error: the mempo run (seed 1) failed' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two'])
