@@ -782,7 +782,8 @@ def main(argv):
                           title=f"nanoagent · {cfg['gym']} · step {cfg['steps']} · heldout")
         sample.plot_metrics(metrics_path, os.path.join(cfg['out_dir'], sample.CURVES))
         print(sample.run_summary(cfg['out_dir'], cfg, time.time() - t_start))
-    if ddp:
+    if ddp:  # wait for rank 0's final files: a rank that tears gloo down alone can abort (seen under load)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

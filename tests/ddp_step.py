@@ -41,5 +41,6 @@ opt = torch.optim.SGD(model.parameters(), lr=0.5)  # SGD: Adam's g/|g| would mag
 m = train.ppo_update(model, opt, batch, adv, None, cfg, random.Random(0), torch.tensor(mine), len(trajs))
 if rank == 0:
     torch.save(dict(params=[p.detach() for p in model.parameters()], metrics=m), sys.argv[1])
-if world > 1:
+if world > 1:  # no rank tears gloo down while the other still works (aborted under load without it)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
