@@ -392,9 +392,9 @@ def _pending_chain(sub_question):
 
 
 def _next_objective(objectives, root):
-    """The objective after the one whose root is `root` (the first one when root is None), or None."""
+    """The objective after the one whose root is `root`, or None (last one, or no such root)."""
     roots = [q.split()[-1] for q in objectives]
-    i = 0 if root is None else roots.index(root) + 1 if root in roots else len(roots)
+    i = roots.index(root) + 1 if root in roots else len(roots)
     return objectives[i] if i < len(objectives) else None
 
 

@@ -566,9 +566,7 @@ def warm_start(model, gym_, cfg, rng):
     batch = collate(trajs, gym_['fmt'].pad_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()
-    # a batch is warmstart_batch_size EPISODES with all their rows: a folded episode has one row per
-    # turn, and drawing rows would give folding ~1/turns of the targets full history gets per step
-    rows_of = episode_rows(batch['row_episode'], len(trajs))
+    rows_of = episode_rows(batch['row_episode'], len(trajs))  # a step draws episodes, not rows (docstring)
     losses = []
     for it in range(cfg['warmstart_steps']):
         # 30-step ramp, then cosine decay to 10%: the scripted targets are deterministic, and at a
