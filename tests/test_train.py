@@ -92,7 +92,7 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
     for keep in (1, 'all'):
         rows.clear()
         cfg = T.load_config(['config/tiny_mem.yaml', f'--keep_tool_results={keep}', '--warmstart_episodes=6',
-                             '--warmstart_steps=4', '--warmstart_batch_size=3', '--device=cpu'])
+                             '--train_tasks=50', '--warmstart_steps=4', '--warmstart_batch_size=3', '--device=cpu'])
         g = T.setup_gym(cfg)
         assert T.warm_start(T.load_policy(cfg, g['tok'].vocab_size), g, cfg, random.Random(0)) > 0
         rng = random.Random(0)  # replay warm_start's draws: 6 tasks, then 3 episodes per step
@@ -105,7 +105,7 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
 def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     """config/tiny_mem.yaml end to end, shrunk: the MemPO metrics the issue names reach metrics.jsonl."""
     train(tmp_path, 'config/tiny_mem.yaml', '--gym=memory', '--warmstart_steps=3', '--warmstart_batch_size=2',
-          '--steps=2', '--eval_every=2', '--eval_tasks=10', '--train_tasks=20', '--n_embd=32',
+          '--steps=2', '--eval_every=2', '--eval_tasks=10', '--train_tasks=20', '--warmstart_episodes=20', '--n_embd=32',
           f'--out_dir={tmp_path}')  # after the YAML file, which sets its own out_dir
     rows = metrics(tmp_path)
     last = rows[-1]
