@@ -10,7 +10,8 @@ Variants (everything else from the config file):
   grpo_fold  folding, outcome advantage only (mem_coef=0)
   grpo_full  full history (keep_tool_results=all), outcome advantage only
 Each run is `python train.py CONFIG --key=value ...` in its own process and out_dir (--jobs=2 runs
-two at a time: each uses one thread, so two fill two cores). Its last evaluation line in
+two at a time: each uses one thread, so two fill two cores; a line is printed as each run starts and
+ends, its own progress bar goes to stderr). Its last evaluation line in
 metrics.jsonl is the result: held-out EM, F1, tokens processed per episode (TT) and mean peak
 context (PT), per number of objectives k. The table
 (mean +- std over seeds) is printed in markdown and written with the per-run numbers to
@@ -29,6 +30,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sample import read_metrics
@@ -63,6 +65,8 @@ def parse_args(argv):
             opts[key] = [int(x) for x in str(opts[key]).split(',')]
         except ValueError:
             fail(f'--{key} takes integers separated by commas, got {opts[key]!r}')
+    if min(opts['ks']) < 1:
+        fail(f"--ks takes numbers of objectives >= 1, got {','.join(map(str, opts['ks']))}")
     if len(opts['jobs']) != 1 or opts['jobs'][0] < 1:
         fail(f"--jobs takes one integer >= 1, got {','.join(map(str, opts['jobs']))}")
     opts['jobs'] = opts['jobs'][0]
@@ -134,6 +138,16 @@ def markdown_table(agg, ks):
     return '\n'.join(lines)
 
 
+def run_job(job):
+    """Run one (variant, seed, cmd) train.py process; print a line when it starts and ends. Returns its exit code."""
+    variant, seed, cmd = job
+    t0 = time.time()
+    print(f'started  {variant} seed {seed}', flush=True)
+    code = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+    print(f"{'finished' if code == 0 else 'FAILED  '} {variant} seed {seed} in {(time.time() - t0) / 60:.1f} min", flush=True)
+    return code
+
+
 def main(argv):
     if '--help' in argv or '-h' in argv:
         print(__doc__.strip())
@@ -153,7 +167,7 @@ def main(argv):
     # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting), in VARIANTS
     # order: the MemPO runs, the longest (two extra forward passes per turn for the memory reward), first
     with ThreadPoolExecutor(max_workers=opts['jobs']) as pool:
-        codes = list(pool.map(lambda job: subprocess.run(job[2], stdout=subprocess.DEVNULL).returncode, todo))
+        codes = list(pool.map(run_job, todo))
     for (variant, seed, _), code in zip(todo, codes):
         if code:  # its progress bar and its own error stay on stderr
             print(f'error: the {variant} run (seed {seed}) failed; its own error is above', file=sys.stderr)

@@ -72,6 +72,8 @@ def test_jobs_runs_every_unfinished_run_once_in_variant_order(tmp_path, monkeypa
     names = [d.rsplit('/', 1)[1] for d in started]
     assert sorted(names) == ['grpo_fold_s2', 'grpo_full_s1', 'grpo_full_s2', 'mempo_s1', 'mempo_s2']
     assert names == ['mempo_s1', 'mempo_s2', 'grpo_fold_s2', 'grpo_full_s1', 'grpo_full_s2']  # MemPO, the longest, first
+    out = capsys.readouterr().out  # one line as each run starts and one as it ends
+    assert out.count('started  ') == 5 and out.count('finished ') == 5 and 'finished mempo seed 1 in ' in out
     assert agg['grpo_fold']['em_k2'] == (0.625, 0.125) and agg['grpo_fold']['seeds'] == 2
     assert ablate.parse_args(['--jobs=2'])[0]['jobs'] == 2
 
@@ -81,10 +83,11 @@ def test_failed_run_stops_with_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         ablate.main([f'--out={tmp_path}', '--seeds=1', '--jobs=2'])
     assert e.value.code == 2
-    assert 'error: the mempo run (seed 1) failed' in capsys.readouterr().err
+    cap = capsys.readouterr()
+    assert 'error: the mempo run (seed 1) failed' in cap.err and 'FAILED   mempo seed 1 in ' in cap.out
 
 
-@pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two'])
+@pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two', '--ks=0,2'])
 def test_bad_flags_exit_with_one_line(arg, capsys):
     with pytest.raises(SystemExit) as e:
         ablate.parse_args([arg])
