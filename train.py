@@ -201,6 +201,9 @@ def load_config(argv, defaults=config):
         fail(f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}")
     if cfg['gym'] not in ('bugfix', 'memory', 'searchqa', 'quixbugs'):
         fail(f"unknown gym {cfg['gym']!r} (bugfix, memory, searchqa, quixbugs)")
+    if cfg['mem_coef'] > 0 and cfg['gym'] not in ('memory', 'searchqa'):
+        fail(f"config key 'mem_coef' ({cfg['mem_coef']}) needs a gym whose turns write <mem> "
+             f"(memory, searchqa), not {cfg['gym']!r}")
     try:
         dev = torch.device(cfg['device'])
     except RuntimeError:

@@ -24,6 +24,7 @@ def run_train(*args):
     (['config'], 'config file is a directory: config'),
     (['--train_generated=-1'], "config key 'train_generated' must be >= 0, got -1"),
     (['--n_head=3'], "config key 'n_head' (3) must divide n_embd (128)"),
+    (['--mem_coef=1'], "config key 'mem_coef' (1.0) needs a gym whose turns write <mem> (memory, searchqa), not 'bugfix'"),
     (['--threads=100000'], "config key 'threads' (100000) is more than this machine's"),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
