@@ -113,7 +113,7 @@ def print_episode(traj, tok, file=None):
            f"prompt ({traj.prompt_len} tokens): {decode(ids[:traj.prompt_len])}"]
     for t, tr in enumerate(traj.turns):
         r, m = tr['response'], tr.get('mem_len', 0)
-        out.append(f"--- turn {t} · context {len(tr['context'][0])} tokens · response {len(r)} tokens")
+        out.append(f"--- turn {t + 1} · context {len(tr['context'][0])} tokens · response {len(r)} tokens")
         if m:
             out.append(f"  mem:    {decode(r[:m])}")
         out.append(f"  policy: {decode(r[m:])}")
@@ -190,7 +190,7 @@ def _episode_html(k, t, decode, adv):
             if row is not None:
                 parts.append('</div></div>')
             row = turn[j]
-            label = 'prompt' if row < 0 else f'turn {row}<br>context {len(t.turns[row]["context"][0])}'
+            label = 'prompt' if row < 0 else f'turn {row + 1}<br>context {len(t.turns[row]["context"][0])}'
             parts.append(f'<div class="turn"><div class="label">{label}</div><div class="toks">')
         s = j - 1  # the [T-1] tensors' column that scores token j
         parts.append(_cell(j, tid, decode([tid]), owner[j], mask[s] if j else None, turn[j],

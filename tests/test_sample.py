@@ -115,7 +115,8 @@ def test_print_episode_turn_by_turn(bugfix, capsys):
     tok, trajs = bugfix
     sample.print_episode(trajs[1], tok)  # oracle: read, edit, test, submit
     out = capsys.readouterr().out
-    assert 'prompt (' in out and 'turn 3 · context' in out and 'policy: <call> submit </call>' in out
+    assert 'prompt (' in out and 'policy: <call> submit </call>' in out
+    assert '--- turn 1 · context' in out and '--- turn 4 · context' in out and '--- turn 0 ' not in out  # from 1
     assert 'obs:    def ' in out and 'reward 1 · stop submit' in out
 
 
