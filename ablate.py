@@ -1,7 +1,7 @@
 """
 MemPO ablation on the memory gym: three agents, several seeds, one table.
 
-    python ablate.py --jobs=2             # full: 3 variants x 3 seeds of config/tiny_mem.yaml (about 70 min on 2 CPU cores)
+    python ablate.py --jobs=2             # full: 3 variants x 3 seeds of config/tiny_mem.yaml (about 55 min on 2 CPU cores)
     python ablate.py --quick              # 1 seed, short runs: checks the pipeline end to end (minutes)
     python ablate.py --seeds=1,2 --steps=40 --out=out/ablate2   # any --key=value goes to every train.py run
 
@@ -15,7 +15,8 @@ ends, its own progress bar goes to stderr). Its last evaluation line in
 metrics.jsonl is the result: held-out EM, F1, tokens processed per episode (TT) and mean peak
 context (PT), per number of objectives k. The table
 (mean +- std over seeds) is printed in markdown and written with the per-run numbers to
-OUT/ablation.json. A run whose metrics already hold the final step is not run again (--rerun forces it).
+OUT/ablation.json. A run whose config.json matches and whose metrics already hold the final step is
+not run again (--rerun forces it); a run with other options runs again in the same out_dir.
 
 Flags of this script: --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run.
 k = 5 is one objective more than training draws (the memory gym trains on 1-4).
@@ -34,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sample import read_metrics
-from train import fail
+from train import fail, load_config
 
 VARIANTS = {  # name -> overrides on top of the config file
     'mempo': [],
@@ -54,10 +55,16 @@ def parse_args(argv):
     passthrough = []
     for arg in argv:
         key, eq, val = arg.lstrip('-').partition('=')
-        if arg.startswith('--') and key in opts:
-            opts[key] = val if eq else True
-        else:
+        if not (arg.startswith('--') and key in opts):
             passthrough.append(arg)
+        elif isinstance(opts[key], bool):  # --rerun, --rerun=true, --rerun=false
+            if eq and val.lower() not in ('true', 'false', '1', '0', 'yes', 'no'):
+                fail(f'--{key}={val}: expected true or false')
+            opts[key] = not eq or val.lower() in ('true', '1', 'yes')
+        elif not eq or not val:
+            fail(f'--{key} needs a value, e.g. --{key}={opts[key]}')
+        else:
+            opts[key] = val
     if opts['quick'] and not any(a.startswith('--seeds=') for a in argv):
         opts['seeds'] = '1'
     for key in ('seeds', 'ks', 'jobs'):
@@ -65,6 +72,8 @@ def parse_args(argv):
             opts[key] = [int(x) for x in str(opts[key]).split(',')]
         except ValueError:
             fail(f'--{key} takes integers separated by commas, got {opts[key]!r}')
+    if len(set(opts['seeds'])) != len(opts['seeds']):
+        fail(f"--seeds repeats a seed: {','.join(map(str, opts['seeds']))} (one run, one out_dir per seed)")
     if min(opts['ks']) < 1:
         fail(f"--ks takes numbers of objectives >= 1, got {','.join(map(str, opts['ks']))}")
     if len(opts['jobs']) != 1 or opts['jobs'][0] < 1:
@@ -85,11 +94,26 @@ def final_eval(metrics_path):
     return rows[-1] if rows else None
 
 
-def is_finished(out_dir):
-    """True when the run in out_dir has logged its evaluation at its config's final step."""
+def run_config(config, variant, seed, out_dir, extra):
+    """(train.py command, the config dict it will run with) for one run. A bad key or value in
+    extra, or a missing config file, stops here with train.py's one-line error, before any run."""
+    args = [config, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', *extra]
+    return [sys.executable, 'train.py', *args], load_config(args)
+
+
+def is_finished(out_dir, cfg):
+    """True when the run in out_dir was run with config cfg (its config.json) and has logged its
+    evaluation at the final step. A run with other options is not finished: it runs again."""
     last = final_eval(os.path.join(out_dir, 'metrics.jsonl'))
     cfg_path = os.path.join(out_dir, 'config.json')
-    return last is not None and os.path.exists(cfg_path) and last['step'] == json.load(open(cfg_path))['steps']
+    if last is None or not os.path.exists(cfg_path):
+        return False
+    try:
+        saved = json.load(open(cfg_path))
+    except ValueError:
+        return False
+    same = all(saved.get(k) == v for k, v in cfg.items() if k not in ('device', 'resume'))
+    return same and last['step'] == cfg['steps']
 
 
 def mean_std(xs):
@@ -158,9 +182,9 @@ def main(argv):
     todo = []
     for variant, seed in runs:
         d = run_dir(opts['out'], variant, seed)
-        cmd = [sys.executable, 'train.py', opts['config'], *VARIANTS[variant], f'--seed={seed}', f'--out_dir={d}', *extra]
+        cmd, cfg = run_config(opts['config'], variant, seed, d, extra)
         print(' '.join(cmd[1:]), flush=True)
-        if not opts['dry_run'] and (opts['rerun'] or not is_finished(d)):
+        if not opts['dry_run'] and (opts['rerun'] or not is_finished(d, cfg)):
             todo.append((variant, seed, cmd))
     if opts['dry_run']:
         return None

@@ -162,7 +162,7 @@ def _cell(pos, tid, text, owner, mask, turn, mem, adv, logp):
     cls = f'tok o-{name}' + (' mem' if mem else '')
     attrs = (f'data-pos="{pos}" data-id="{tid}" data-owner="{name}" data-mask="{m}" data-turn="{turn}" '
              f'data-mem="{int(bool(mem))}"')
-    tip = f'pos {pos} · id {tid} · {name} · turn {turn}' + (f' · logp {logp:.4f}' if mask else '')
+    tip = f'pos {pos} · id {tid} · {name} · ' + (f'turn {turn + 1}' if turn >= 0 else 'prompt') + (f' · logp {logp:.4f}' if mask else '')
     below = f'<i class="m{m}">{m or "&nbsp;"}</i>'
     if adv is not None:
         attrs += f' data-adv="{adv:.6g}"'
@@ -429,7 +429,12 @@ def main(argv):
     if opts['metrics_rollout']:
         if not os.path.isfile(opts['metrics_rollout']):
             train.fail(f"no rollout dump {opts['metrics_rollout']} (a run writes them with dump_rollouts: true)")
-        dump = torch.load(opts['metrics_rollout'], map_location='cpu', weights_only=False)  # our own file
+        try:
+            dump = torch.load(opts['metrics_rollout'], map_location='cpu', weights_only=False)  # our own file
+            dump['trajs'], dump['advantages'], dump['config'], dump['step']
+        except Exception as e:  # a metrics file, a checkpoint, a torn file
+            train.fail(f"--metrics_rollout={opts['metrics_rollout']} is not a rollout dump (rollout_*.pt): "
+                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         cfg = train.load_config(rest, dict(train.config, **dump['config']))
         gym_ = train.setup_gym(cfg)
         trajs, advantages = dump['trajs'], dump['advantages']

@@ -6,16 +6,19 @@ import pytest
 import ablate
 
 
-def _write_run(tmp_path, variant, seed, em_k2, pt_k4, steps=5):
+def _write_run(tmp_path, variant, seed, em_k2, pt_k4, extra=()):
+    """A finished run as train.py leaves it: config.json as ablate would run it, metrics to its last step."""
     d = tmp_path / f'{variant}_s{seed}'
-    d.mkdir()
+    d.mkdir(exist_ok=True)
+    cfg = ablate.run_config('config/tiny_mem.yaml', variant, seed, str(d), list(extra))[1]
+    steps = cfg['steps']
     rows = [dict(step=0, eval_em=0.0, eval_em_k2=0.0, eval_pt_k4=1.0),
             dict(step=steps, loss=0.1),  # a train-only line: not an eval line
             dict(step=steps, eval_em=0.5, eval_em_k1=1.0, eval_f1_k1=1.0, eval_tt_k1=10.0, eval_pt_k1=5.0,
                  eval_em_k2=em_k2, eval_f1_k2=em_k2, eval_tt_k2=20.0, eval_pt_k2=6.0,
                  eval_em_k4=0.25, eval_f1_k4=0.25, eval_tt_k4=40.0, eval_pt_k4=pt_k4)]
     (d / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows) + '{"step": 9, "eval_em"')  # torn line
-    (d / 'config.json').write_text(json.dumps(dict(steps=steps)))
+    (d / 'config.json').write_text(json.dumps(cfg))
 
 
 def test_parse_args_splits_own_flags_from_train_overrides():
@@ -23,12 +26,14 @@ def test_parse_args_splits_own_flags_from_train_overrides():
     assert opts['quick'] and opts['out'] == '/x' and opts['seeds'] == [1] and opts['ks'] == [1, 2, 4, 5]
     assert rest == ['--steps=3', 'config/other.yaml']
     assert ablate.parse_args(['--seeds=4,5'])[0]['seeds'] == [4, 5]
+    assert ablate.parse_args(['--rerun=false', '--dry_run=true'])[0]['rerun'] is False
+    assert ablate.parse_args(['--rerun=false', '--dry_run=true'])[0]['dry_run'] is True
 
 
 def test_final_eval_takes_last_complete_eval_line(tmp_path):
     _write_run(tmp_path, 'mempo', 1, 0.75, 60.0)
     last = ablate.final_eval(str(tmp_path / 'mempo_s1' / 'metrics.jsonl'))
-    assert last['step'] == 5 and last['eval_em_k2'] == 0.75
+    assert last['step'] == 50 and last['eval_em_k2'] == 0.75
     assert ablate.final_eval(str(tmp_path / 'missing.jsonl')) is None
 
 
@@ -47,6 +52,31 @@ def test_main_reuses_finished_runs_and_writes_table_and_json(tmp_path, capsys):
     assert '| mempo | 2 | 0.750 |' in out and 'full history = 0.25' in out
     saved = json.loads((tmp_path / 'ablation.json').read_text())
     assert saved['aggregate']['grpo_full']['pt_k4'] == [240.0, 0.0] and agg['mempo']['em_k1'] == (1.0, 0.0)
+
+
+def test_finished_run_with_other_options_runs_again(tmp_path, monkeypatch, capsys):
+    """A finished run counts only for the options it ran with (config.json), not for any others."""
+    for v in ablate.VARIANTS:
+        _write_run(tmp_path, v, 1, 0.75, 60.0)
+    started = []
+
+    def fake_run(cmd, stdout=None):
+        started.append(cmd)
+        d = next(a.split('=', 1)[1] for a in cmd if a.startswith('--out_dir='))
+        variant, seed = d.rsplit('/', 1)[1].rsplit('_s', 1)
+        _write_run(tmp_path, variant, int(seed), 0.25, 60.0, extra=['--lr=0.0005'])
+        return type('Done', (), dict(returncode=0))()
+    monkeypatch.setattr(ablate.subprocess, 'run', fake_run)
+    ablate.main([f'--out={tmp_path}', '--seeds=1'])
+    assert started == []  # same options: reused
+    agg = ablate.main([f'--out={tmp_path}', '--seeds=1', '--lr=0.0005'])
+    assert len(started) == 3 and all('--lr=0.0005' in c for c in started) and agg['mempo']['em_k2'] == (0.25, 0.0)
+    for bad, needle in [('--bogus=1', "unknown config key 'bogus'"), ('--config=nope.yaml', 'config file not found: nope.yaml')]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:  # stops before any run, in one line
+            ablate.main([f'--out={tmp_path}', '--seeds=1', bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and err.count('\n') == 1 and len(started) == 3
 
 
 def test_dry_run_prints_one_command_per_variant_and_seed(tmp_path, capsys):
@@ -87,7 +117,8 @@ def test_failed_run_stops_with_one_line(tmp_path, monkeypatch, capsys):
     assert 'error: the mempo run (seed 1) failed' in cap.err and 'FAILED   mempo seed 1 in ' in cap.out
 
 
-@pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two', '--ks=0,2'])
+@pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two', '--ks=0,2',
+                                 '--seeds=1,1', '--out', '--config', '--out=', '--quick=nope', '--rerun=maybe'])
 def test_bad_flags_exit_with_one_line(arg, capsys):
     with pytest.raises(SystemExit) as e:
         ablate.parse_args([arg])

@@ -19,6 +19,7 @@ def run_train(*args):
     (['config/does_not_exist.yaml'], 'config file not found: config/does_not_exist.yaml'),
     (['--kl_type=k4'], "config key 'kl_type' must be one of k1, k2, k3, got 'k4'"),
     (['--keep_tool_results=some'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
+    (['--keep_tool_results=0'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
     (['--device=tpu'], "config key 'device': unknown device 'tpu'"),
     (['--lr_rate=1'], "unknown config key 'lr_rate' (did you mean 'lr'?)"),
     (['config'], 'config file is a directory: config'),

@@ -142,6 +142,8 @@ def test_html_highlights_mem_spans(memory):
     cfg, g, _, oracle, _ = memory
     page = sample.render_html(oracle, g['tok'])
     assert '.tok.mem' in page  # the highlight has a style
+    n = len(oracle[0].turns)  # labels and tooltips count turns from 1; data-turn keeps the row index
+    assert f'turn {n}<br>context' in page and f' · turn {n}' in page and ' · turn 0' not in page and ' · prompt' in page
     for cells, t in zip(parse(page).episodes, oracle):
         check_cells(cells, t, g['tok'])
         spans = {}
@@ -252,6 +254,7 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
     ('evaluate.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
     ('sample.py', ['--metrics_rollout=/nonexistent/r.pt'], 'no rollout dump /nonexistent/r.pt'),
+    ('sample.py', ['--metrics_rollout=README.md'], '--metrics_rollout=README.md is not a rollout dump'),
     ('sample.py', ['--curves=c.png', '--out_dir=/nonexistent/run', '--untrained'], '--curves: no metrics.jsonl'),
     ('sample.py', ['--n=0', '--untrained'], '--n must be >= 1, got 0'),
     ('sample.py', ['--html=/nonexistent/dir/x.html', '--untrained'], 'folder /nonexistent/dir does not exist'),
@@ -261,3 +264,12 @@ def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, script, *args], cwd=root, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count('\n') == 1 and needle in p.stderr, p.stderr
+
+
+def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
+    ckpt = tmp_path / 'ckpt_000002.pt'
+    torch.save(dict(model={}, step=2), ckpt)  # a checkpoint, not a rollout dump
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--metrics_rollout={ckpt}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and 'is not a rollout dump' in err and "KeyError: 'trajs'" in err and err.count('\n') == 1
