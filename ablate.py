@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sample import read_metrics
-from train import fail, load_config
+from train import fail, load_config, parse_value
 
 VARIANTS = {  # name -> overrides on top of the config file
     'mempo': [],
@@ -58,9 +58,7 @@ def parse_args(argv):
         if not (arg.startswith('--') and key in opts):
             passthrough.append(arg)
         elif isinstance(opts[key], bool):  # --rerun, --rerun=true, --rerun=false
-            if eq and val.lower() not in ('true', 'false', '1', '0', 'yes', 'no'):
-                fail(f'--{key}={val}: expected true or false')
-            opts[key] = not eq or val.lower() in ('true', '1', 'yes')
+            opts[key] = not eq or parse_value(key, val, False)
         elif not eq or not val:
             fail(f'--{key} needs a value, e.g. --{key}={opts[key]}')
         else:

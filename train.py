@@ -178,7 +178,7 @@ def load_config(argv, defaults=config):
             for key, value in loaded.items():
                 cfg[key] = check_key(key, value, cfg)
     ktr = cfg['keep_tool_results']
-    if not (ktr == 'all' or (isinstance(ktr, int) and ktr >= 1) or (isinstance(ktr, str) and ktr.isdigit() and int(ktr) >= 1)):
+    if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
     cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
     for key in ('steps', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
