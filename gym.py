@@ -39,6 +39,10 @@ from itertools import permutations
 
 import sandbox
 
+# every stop reason an episode can end with (info['stop']); the last three mean it ran out of turns or context
+STOPS = ('answer', 'submit', 'over', 'env_error', 'truncated', 'budget', 'max_turns')
+TRUNCATED = STOPS[-3:]
+
 # -----------------------------------------------------------------------------
 # data files
 
@@ -777,7 +781,9 @@ def parse_call(text):
 class BugFixEnv:
     """One episode of BugFix. reset(task) -> prompt; step(text) -> (obs, reward, done, info).
     step never raises on any text: a malformed/unknown call, an op without a site, or an undo with
-    nothing to undo returns an `error : ...` observation, costs a turn and counts in n_invalid.
+    nothing to undo returns an `error : ...` observation, costs a turn and counts in n_invalid. A turn
+    cut at the response limit (finish='length') is a malformed call whatever its text (its text cannot
+    parse anyway: a well-formed call ends with the stop token </call>).
     The episode ends on submit (reward 1.0 iff the hidden tests pass) or after max_turns turns
     (stop 'budget', reward 0.0). info (every step): stop (None until done), success, n_turns,
     n_invalid, n_edits, public_pass (final source passes the public tests), hacked (submitted a
@@ -794,11 +800,11 @@ class BugFixEnv:
         self.done, self.stop, self.success = False, None, False
         return task.issue
 
-    def step(self, action_text):
+    def step(self, action_text, finish='stop'):
         if self.done:
             return 'error : episode over', 0.0, True, self.info()
         self.n_turns += 1
-        obs = self._act(parse_call(action_text))
+        obs = self._act(parse_call(action_text) if finish != 'length' else 'error : malformed call')
         if obs.startswith('error'):
             self.n_invalid += 1
         if not self.done and self.n_turns >= self.max_turns:

@@ -31,20 +31,30 @@ from dataclasses import dataclass, field
 # answer scoring
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+_SIGN = re.compile(r"(?<![\w.])[-\u2010\u2012\u2013\u2212](?=\d)")  # a minus/dash before a digit, not after a word
+_NUM_DOT = re.compile(r"(?:(?<=\d)|(?<![\w.]))\.(?=\d)")              # a decimal point: 1.5, .5
 
 
 def normalize_answer(s):
     """Canonical form of an answer string for EM/F1.
 
-    Unicode NFKC (composed accents, full-width forms), case-folded, every Unicode punctuation
-    character (category P*: hyphens and en/em dashes, curly quotes, ...) deleted, the articles
-    a/an/the removed, whitespace collapsed to single spaces. Never raises on a str.
+    Unicode NFKC (composed accents, full-width forms), case-folded (str.casefold: "Straße" ==
+    "STRASSE"), every Unicode punctuation character (category P*: hyphens and en/em dashes, curly
+    quotes, ...) deleted, the articles a/an/the removed unless nothing else is left ("A" stays "a"),
+    whitespace collapsed to single spaces. Never raises on a str.
+
+    Unlike SQuAD's normaliser, which strips all punctuation (so "10.8" == "108" and "-5" == "5"),
+    numbers keep their identity: a decimal point (1.5, .5) and a leading sign are kept, and a sign
+    written as U+2212 or a dash becomes "-". A thousands comma is deleted like other punctuation
+    ("9,984" == "9984"), as is a period that ends a sentence ("5." == "5"). Symbols (S*: $ % + °)
+    are kept, as before.
     """
-    s = unicodedata.normalize("NFKC", s).lower()
+    s = unicodedata.normalize("NFKC", s).casefold()
+    s = _SIGN.sub("-", s)
+    keep = {m.start() for m in _SIGN.finditer(s)} | {m.start() for m in _NUM_DOT.finditer(s)}
     # deleting (not spacing) punctuation keeps "semi-final" == "semifinal", as SQuAD's scorer does
-    s = "".join(ch for ch in s if not unicodedata.category(ch).startswith("P"))
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
+    s = "".join(ch for i, ch in enumerate(s) if i in keep or not unicodedata.category(ch).startswith("P"))
+    return " ".join(_ARTICLES.sub(" ", s).split()) or " ".join(s.split())
 
 
 def _as_list(golds):
@@ -326,7 +336,9 @@ class MemoryEnv:
     - well-formed answer: ends the episode; reward = em_count (0..k) if the WHOLE episode passes
       validate_format, else 0.0
     - malformed turn: observation 'error : bad format', counted in n_invalid; the episode goes on
-      but its final reward will be 0 (the format check covers every turn)
+      but its final reward will be 0 (the format check covers every turn). A turn cut at the
+      response limit (finish='length') is malformed whatever its text (its text fails the format
+      check anyway: a well-formed turn ends with a stop token, </search> or </answer>)
     - own budget: after max_turns turns without an answer the episode ends (stop='max_turns', 0).
     """
 
@@ -335,15 +347,18 @@ class MemoryEnv:
 
     def reset(self, task):
         """Start an episode; returns the prompt (the question words)."""
-        self.task, self.turns, self.n_invalid = task, [], 0
+        self.task, self.turns, self.n_invalid, self.cut = task, [], 0, []
         self.budget = self.max_turns or 2 + sum(task.hops)
         return task.question
 
-    def step(self, action_text):
-        """Returns (obs: str, reward: float, done: bool, info: dict). Never raises on a str."""
+    def step(self, action_text, finish="stop"):
+        """Returns (obs: str, reward: float, done: bool, info: dict). Never raises on a str.
+        finish: 'stop' or 'length' (cut at the response limit: a malformed turn)."""
         text = "<mem> " + action_text
         self.turns.append(text)
-        action, _ = _check_turn(text, self.require_think)
+        action = _check_turn(text, self.require_think)[0] if finish != "length" else None
+        if finish == "length":
+            self.cut.append(len(self.turns))
         info = dict(n_turns=len(self.turns), n_invalid=self.n_invalid)
         if action == "answer":
             return "", *self._finish("answer", extract_answer(text))
@@ -362,6 +377,8 @@ class MemoryEnv:
         golds = self.task.golds
         s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
         ok, reason = validate_format(self.turns, self.require_think)
+        if ok and self.cut:  # a cut turn whose text happens to be well formed still breaks the format
+            ok, reason = False, f"turn {self.cut[0]}: cut at the response length limit"
         reward = float(s["em_count"]) if ok and stop == "answer" else 0.0
         # success = every objective right AND a valid format: what the reward pays for in full
         info = dict(stop=stop, success=reward == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,

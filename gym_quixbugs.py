@@ -347,6 +347,7 @@ def summarize_tests(task, result, ids, case_timeout_s):
 # ----------------------------------------------------------------------------- tool calls
 
 TOOLS = ("read", "edit", "test", "submit")
+CUT_ERROR = "error: the turn reached the response length limit before it ended; its tool call was not run"
 
 
 def tool_schemas():
@@ -441,7 +442,8 @@ class QuixBugsEnv:
     """
     One episode on one QuixBugs program (see the module docstring). `step` never raises on model
     output: a malformed call, an unknown tool or bad arguments give an 'error: ...' observation, count
-    in info['n_invalid'] and use a turn; a failed edit (text absent or ambiguous) is an observation too
+    in info['n_invalid'] and use a turn, as does a turn cut at the response limit (finish='length'),
+    whose call is never run; a failed edit (text absent or ambiguous) is an observation too
     and counts in info['n_failed_edits']. max_turns: optional budget of the env itself (None: the
     rollout's limit only); exceeding it ends the episode with stop='max_turns' and reward 0.
     """
@@ -466,12 +468,14 @@ class QuixBugsEnv:
         return dict(n_turns=self.n_turns, n_invalid=self.n_invalid, n_edits=self.n_edits,
                     n_failed_edits=self.n_failed_edits, n_tests=self.n_tests, **extra)
 
-    def step(self, action_text):
-        """One policy turn (its decoded text) -> (observation str, reward float, done bool, info dict)."""
+    def step(self, action_text, finish="stop"):
+        """One policy turn (its decoded text) -> (observation str, reward float, done bool, info dict).
+        finish: 'stop' (the turn ended with its stop token) or 'length' (cut at the response limit:
+        the call may be incomplete, so it is not run; a malformed call)."""
         if self.task is None or self.done:
             return "error: the episode is over", 0.0, True, self._info(stop="over", success=False)
         self.n_turns += 1
-        parsed = parse_tool_call(action_text)
+        parsed = parse_tool_call(action_text) if finish != "length" else CUT_ERROR
         if isinstance(parsed, str):
             self.n_invalid += 1
             obs, reward, done, info = parsed, 0.0, False, {}

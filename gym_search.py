@@ -19,6 +19,7 @@ import hashlib
 import json
 import random
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,8 +168,15 @@ class SearchIndex:
 
     @staticmethod
     def _tokenize(texts):
+        """Words of each text, passages and queries alike: NFKC, case-folded, every run of word
+        characters. Unlike bm25s's default pattern (\\w\\w+) one-character words count ('Malcolm X',
+        'Plan 9'); bm25s's English stop words are dropped except 'a' ('Vitamin A')."""
         import bm25s
-        return bm25s.tokenize(texts, stopwords='en', return_ids=False, show_progress=False)
+        from bm25s.stopwords import STOPWORDS_EN
+        texts = [unicodedata.normalize('NFKC', t).casefold() for t in texts]
+        stop = [w for w in STOPWORDS_EN if len(w) > 1]
+        return bm25s.tokenize(texts, lower=False, token_pattern=r'(?u)\b\w+\b', stopwords=stop,
+                              return_ids=False, show_progress=False)
 
     def search(self, query, k=3):
         """Top-k passages for query, best first, as [(passage, score)]; [] when no query word
@@ -239,7 +247,8 @@ class SearchQAEnv:
       require_search, searched at least once; else 0. info has em, f1, em_count, k, format_ok,
       format_reason, answer, n_search, stop='answer', success (all objectives right).
     - a malformed turn: an error observation, counted in n_invalid, uses a turn; the final reward
-      will be 0 since the whole episode fails the format check.
+      will be 0 since the whole episode fails the format check. A turn cut at the response limit
+      (finish='length') is malformed whatever its text: its search is not run, its answer not taken.
     - max_turns turns without an answer: done, reward 0, stop='max_turns'.
     Never raises on a str action.
     """
@@ -253,7 +262,7 @@ class SearchQAEnv:
         make_prompt('', prompt_style)   # fail at construction on a bad style
 
     def reset(self, task):
-        self.task, self.turns, self.n_invalid, self.n_search = task, [], 0, 0
+        self.task, self.turns, self.n_invalid, self.n_search, self.cut = task, [], 0, 0, []
         return make_prompt(task.question, self.prompt_style)
 
     def search(self, query):
@@ -261,13 +270,17 @@ class SearchQAEnv:
         obs = format_results(self.index.search(query, self.top_k))
         return truncate(obs, self.max_obs_tokens, self.tokenizer)
 
-    def step(self, action_text):
+    def step(self, action_text, finish='stop'):
+        """finish: 'stop' or 'length' (cut at the response limit, e.g. after </search> but before
+        <|im_end|>: a malformed turn)."""
         text = action_text.rstrip()
         for marker in END_MARKERS:
             text = text[:-len(marker)].rstrip() if text.endswith(marker) else text
         text = self.forced_prefix + text
         self.turns.append(text)
-        action = _action(text, self.require_think)
+        action = _action(text, self.require_think) if finish != 'length' else None
+        if finish == 'length':
+            self.cut.append(len(self.turns))
         if action == 'answer':
             return '', *self._finish('answer', _tag(text, 'answer'))
         if action == 'search':
@@ -275,7 +288,8 @@ class SearchQAEnv:
             obs = self.search(_tag(text, 'search'))
         else:
             self.n_invalid += 1
-            reason = validate_format([text], self.require_think)[1]
+            reason = validate_format([text], self.require_think)[1] if finish != 'length' else \
+                'the turn reached the response length limit before it ended'
             obs = (f'error: bad format ({reason}). Write <mem>...</mem><think>...</think> and then '
                    '<search>query</search> or <answer>answer</answer>.')
         if len(self.turns) >= self.max_turns:
@@ -286,6 +300,8 @@ class SearchQAEnv:
         golds = self.task.golds
         s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
         ok, reason = validate_format(self.turns, self.require_think)
+        if ok and self.cut:  # a cut turn whose text happens to be well formed still breaks the format
+            ok, reason = False, f'turn {self.cut[0]}: cut at the response length limit'
         if ok and self.require_search and self.n_search == 0:
             ok, reason = False, 'answered without searching'
         reward = float(s['em_count']) if ok and stop == 'answer' else 0.0

@@ -16,8 +16,11 @@ Simplifications, on purpose:
 1. Each turn re-prefills its context in one batched forward and then decodes with the KV cache. A
    turn's prefill repeats the previous turns' tokens (one parallel pass, cheap next to decoding);
    folded contexts change every turn anyway.
-2. The stop token the policy sampled is a policy token. A response cut at max_response_tokens stays
-   unterminated and the environment's parser rejects it, so the policy learns that it fails.
+2. The stop token the policy sampled is a policy token. Every turn has a finish reason: 'stop' when
+   its response ends with one of fmt.stop_ids, 'length' otherwise (it hit max_response_tokens; a
+   scripted text longer than max_response_tokens is cut and is 'length' too). The environment gets
+   it, env.step(text, finish), and runs no tool for a 'length' turn: it answers as to a malformed
+   call (a turn used, counted invalid), so the policy learns that an unfinished turn fails.
 """
 
 import math
@@ -184,11 +187,13 @@ def finish(ep, reward, info, stop=None):
     ep.info.setdefault('n_turns', len(ep.turns))
 
 
-def record_turn(ep, fmt, context, response, logp, cfg):
-    """Append one sampled turn to the episode, step the environment, append its observation."""
+def record_turn(ep, fmt, context, response, logp, cfg, finish_reason):
+    """Append one sampled turn to the episode, step the environment (finish_reason 'stop' or
+    'length', see Simplification 2), append its observation."""
     t = len(ep.turns)
     mem_len = fmt.mem_span(response) if fmt.mem_span else 0  # the sampled memory through </mem>
-    ep.turns.append(dict(context=context, response=list(response), logp=list(logp), mem_len=mem_len))
+    ep.turns.append(dict(context=context, response=list(response), logp=list(logp), mem_len=mem_len,
+                         finish=finish_reason))
     h, n = ep.hist, len(fmt.turn_prefix)
     h['ids'] += fmt.turn_prefix
     h['owner'] += [OWNER['template']] * n
@@ -203,7 +208,7 @@ def record_turn(ep, fmt, context, response, logp, cfg):
     action = fmt.decode(response)
     ep.actions.append(action)
     try:
-        obs, reward, done, info = ep.env.step(action)
+        obs, reward, done, info = ep.env.step(action, finish_reason)
     except Exception as e:  # an environment that raises invalidates its episode, not the run
         ep.valid = False
         return finish(ep, 0.0, {'error': f'{type(e).__name__}: {e}'}, stop='env_error')
@@ -325,7 +330,7 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
     a list of scripted text policies, one per episode: functions (episode) -> action text, encoded
     through the same token path with log-prob 0. cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
     whose next context plus a full response would exceed max_len, or that uses max_turns turns, ends
-    'truncated' with reward 0."""
+    'truncated' with reward 0. Each turn's finish reason goes to env.step (Simplification 2)."""
     temperature = cfg['temperature'] if temperature is None else temperature
     groups = groups if groups is not None else list(range(len(tasks)))
     eps = [start_episode(env, task, fmt, g) for env, task, g in zip(envs, tasks, groups)]
@@ -346,12 +351,43 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
             with autocast(cfg):
                 responses, logps = generate(policy, [c[0] for c in contexts], fmt.stop_ids, cfg['max_response_tokens'],
                                             temperature, generator, fmt.pad_id)
+            cut = [False] * len(responses)  # generate stops at a stop id or at the budget
         else:
-            responses = [fmt.encode(policy[i](eps[i]))[:cfg['max_response_tokens']] for i in active]
+            full = [fmt.encode(policy[i](eps[i])) for i in active]
+            responses = [f[:cfg['max_response_tokens']] for f in full]
+            cut = [len(f) > len(r) for f, r in zip(full, responses)]  # even if the cut ends on a stop id
             logps = [[0.0] * len(r) for r in responses]
-        for i, ctx, r, lp in zip(active, contexts, responses, logps):
-            record_turn(eps[i], fmt, ctx, r, lp, cfg)
+        for i, ctx, r, lp, c in zip(active, contexts, responses, logps, cut):
+            reason = 'stop' if r and r[-1] in fmt.stop_ids and not c else 'length'
+            record_turn(eps[i], fmt, ctx, r, lp, cfg, reason)
     return [make_trajectory(ep) for ep in eps]
+
+
+def check_prompts_fit(gym_, cfg):
+    """Fail at setup, not mid-run: raise ValueError when some task's first context (its prompt and
+    fmt.turn_prefix) plus max_response_tokens exceeds max_len, since rollout_batch would end that
+    episode 'truncated' before its first turn. gym_: a dict with fmt, make_env, train_tasks and
+    eval_tasks (train.py's gym). Resets a fresh make_env() per task and encodes every prompt (cheap:
+    16096 memory tasks take 0.1 s). Returns the longest first context in tokens."""
+    fmt, tasks = gym_['fmt'], list(gym_['train_tasks']) + list(gym_['eval_tasks'])
+    longest = max((len(fmt.prompt(gym_['make_env']().reset(t))[0]) for t in tasks), default=0) + len(fmt.turn_prefix)
+    if longest + cfg['max_response_tokens'] > cfg['max_len']:
+        raise ValueError(f"max_len={cfg['max_len']} is too short: the longest prompt is {longest} tokens and a "
+                         f"turn needs max_response_tokens={cfg['max_response_tokens']} more")
+    return longest
+
+
+def run_tasks(policy, gym_, cfg, tasks, group_size=1, groups=None, generator=None, temperature=None):
+    """The one entry point that training, evaluation, the warm start and sample.py roll out through:
+    each task repeated group_size times, a fresh gym_['make_env']() per episode, group id groups[i]
+    for the copies of tasks[i] (default i). policy: a model (put in eval mode) or a list of scripted
+    text policies, one per episode. Returns the list of Trajectory, group by group."""
+    groups = groups if groups is not None else range(len(tasks))
+    reps = [(g, t) for g, t in zip(groups, tasks) for _ in range(group_size)]
+    if isinstance(policy, torch.nn.Module):
+        policy.eval()
+    return rollout_batch(policy, gym_['fmt'], [gym_['make_env']() for _ in reps], [t for _, t in reps], cfg,
+                         groups=[g for g, _ in reps], generator=generator, temperature=temperature)
 
 
 # -----------------------------------------------------------------------------
@@ -371,8 +407,12 @@ def collate(trajs, pad_id):
 
     Returns ids, attention_mask [R, L]; action_mask, sample_logp, turn_ids, mem_mask [R, L-1] (aligned
     to ids[:, 1:], padding 0 / turn -1); row_episode [R] (index into trajs); rewards, group_ids,
-    valid [N] per episode. R >= N: a folded episode has one row per turn."""
+    valid [N] per episode. R >= N: a folded episode has one row per turn. Raises ValueError when no
+    trajectory has a row."""
     rows = [(n, r) for n, t in enumerate(trajs) for r in t.rows]
+    if not rows:  # no episode took a turn: each prompt plus max_response_tokens exceeded max_len
+        raise ValueError(f'collate: no training rows ({len(trajs)} episodes, none reached its first turn; '
+                         'is max_len shorter than a prompt plus max_response_tokens? see check_prompts_fit)')
     L = max(len(r['ids']) for _, r in rows)
     return dict(
         ids=pad_stack([r['ids'] for _, r in rows], L, pad_id),

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from advantage import grpo_advantage, memory_advantage, token_advantages
 from model import autocast, count_params, load_policy, sequence_log_probs
-from rollout import chat_format, collate, memory_rewards, rollout_batch, word_format
+from rollout import chat_format, check_prompts_fit, collate, memory_rewards, rollout_batch, word_format
 import sample  # curves, episode page, run summary (sample.py imports train only inside its main)
 
 # -----------------------------------------------------------------------------
@@ -657,6 +657,7 @@ def main(argv):
 
     try:  # bad data stops the run here, in one line, before any training
         gym_ = setup_gym(cfg)
+        check_prompts_fit(gym_, cfg)
     except (OSError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not gym_['train_tasks'] or not gym_['eval_tasks']:

@@ -87,3 +87,15 @@ def test_yaml_error_names_line_and_column(tmp_path):
 def test_help_prints_usage_and_keys():
     p = run_train('--help')
     assert p.returncode == 0 and 'python train.py config/tiny.yaml' in p.stdout and ' kl_coef ' in p.stdout
+
+
+def test_max_len_too_short_for_the_prompts_exits_2_with_one_line(tmp_path):
+    # issue #13 case 8: no HotpotQA prompt (25-70 tokens with the forced '<mem>\n') leaves room for a
+    # 16-token turn in 32; this used to be a traceback from collate at the first step
+    p = run_train('--gym=searchqa', '--model=tiny-qwen3', '--max_len=32', '--max_response_tokens=16',
+                  f'--out_dir={tmp_path / "out"}')
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert lines == ['error: max_len=32 is too short: the longest prompt is 70 tokens and a turn needs '
+                     'max_response_tokens=16 more'], p.stderr
+    assert not (tmp_path / 'out' / 'metrics.jsonl').exists()

@@ -300,3 +300,40 @@ def test_policies_without_task_act_on_observations_alone():
                            for t in HELDOUT) >= 0.85
     with pytest.raises(ValueError):
         gym.scripted_policy('oracle')(['issue : f is broken'])
+
+
+# -----------------------------------------------------------------------------
+# turns cut at max_response_tokens (rollout's finish='length'; issue #13 case 7)
+
+
+def test_cut_turn_is_a_malformed_call_whatever_its_text():
+    t = HELDOUT[0]
+    env = gym.BugFixEnv()
+    env.reset(t)
+    for n, text in enumerate([f'<call> edit {t.bug} </call>', '<call> submit </call>', '<call> read </call>'], 1):
+        obs, reward, done, info = env.step(text, 'length')  # well formed, yet not run
+        assert (obs, reward, done, info['n_turns'], info['n_invalid'], info['n_edits']) == \
+            ('error : malformed call', 0.0, False, n, n, 0)
+    assert env.source == t.source and env.step('<call> read </call>')[0] == gym.read_observation(t.source)
+
+
+CUT_WORDS = [TOK.stoi[w] for w in ['<call>', '</call>', 'edit', 'read', 'undo', 'test', 'submit', 'fix_init',
+                                   'fix_index', '<nl>', '<obs>', '<pad>']] + [TOK.unk_id]
+
+
+CUT_CALLS = [TOK.encode(f'<call> {c} </call>') for c in ('read', 'test', 'undo', 'submit', f'edit {HELDOUT[3].bug}')]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.lists(st.sampled_from(CUT_WORDS), max_size=5),
+                          st.tuples(st.sampled_from(CUT_CALLS), st.integers(0, 4)).map(lambda c: c[0][:c[1]])),
+                min_size=1, max_size=14))
+def test_finish_length_steps_exactly_as_the_unterminated_text_did(turns):
+    # the tiny gym's numbers must not move: a response without its stop token </call> never parsed
+    # (a call's last word is </call>, and every id decodes to one word), so 'length' changes nothing
+    new, old = gym.BugFixEnv(), gym.BugFixEnv()
+    new.reset(HELDOUT[3]), old.reset(HELDOUT[3])
+    for ids in turns:
+        finish = 'stop' if ids and ids[-1] == TOK.call_end_id else 'length'  # rollout.py's rule
+        text = TOK.decode(ids)
+        assert new.step(text, finish) == old.step(text)  # old: no finish argument (the code before it)

@@ -32,10 +32,36 @@ def test_em_f1_hand_computed():
 
 
 def test_empty_answer_never_matches():
-    for pred in ["", "   ", "the", "a an the", "!!", "\u2013"]:
-        assert g.em(pred, ["", "the", pred]) == 0.0
-        assert g.f1(pred, ["", "the", pred]) == 0.0
-    assert g.score_answers(" ; ", [[""], ["the"]])["em_count"] == 0
+    for pred in ["", "   ", "!!", "\u2013", ". , ;"]:
+        assert g.em(pred, ["", "!", pred]) == 0.0
+        assert g.f1(pred, ["", "!", pred]) == 0.0
+    assert g.score_answers(" ; ", [[""], ["?"]])["em_count"] == 0
+
+
+def test_article_only_answers_keep_their_text():
+    # dropping the articles emptied these, so they could never score (issue #13, case 1)
+    assert (g.em("A", "A"), g.f1("A", "A"), g.em("a.", "A")) == (1.0, 1.0, 1.0)
+    assert g.normalize_answer("The") == "the" and g.em("the", "a") == 0.0
+    assert g.em("the Beatles", "Beatles") == 1.0  # articles beside other words are still dropped
+
+
+def test_case_folding_not_lower_casing():
+    # str.lower keeps "ß" (issue #13, case 2)
+    assert g.em("STRASSE", "Stra\u00dfe") == 1.0 and g.em("WEISS", "wei\u00df") == 1.0
+    assert g.em("\u00c9cole", "e\u0301cole") == 1.0  # NFKC composes the accent first
+
+
+def test_numbers_keep_their_identity():
+    # SQuAD's normaliser deletes "." and "-", so 10.8 == 108 and -5 == 5 (issue #13, case 3)
+    for pred, gold, em, f1 in [("108", "10.8", 0, 0), ("195 m", "1.95 m", 0, 0.5),
+                               ("$105 million", "$10.5 million", 0, 0.5), ("3.14", "314", 0, 0),
+                               ("5", "-5", 0, 0), ("\u22125", "-5", 1, 1), ("\u20135", "-5", 1, 1),
+                               ("9984", "9,984", 1, 1), ("1,000,000.5", "1000000.5", 1, 1), (".5", "5", 0, 0)]:
+        assert (g.em(pred, gold), g.f1(pred, gold)) == (em, f1), (pred, gold)
+    # everything else is still SQuAD's: punctuation at word ends, articles, a sentence-final period
+    assert g.em("Paris.", "paris") == g.em("(-5)", "-5") == g.em("5.", "5") == 1.0
+    assert g.em("It is 5.", "5") == 0.0 and g.f1("It is 5.", "5") == 0.5
+    assert g.normalize_answer("COVID-19, 1990\u20131995") == "covid19 19901995"  # a dash after a word is no sign
 
 
 def test_score_answers_multi_objective():
@@ -50,6 +76,11 @@ def test_score_answers_multi_objective():
     s = g.score_answers("new york", [["new york city"], ["paris"]])
     assert s["em_count"] == 0 and abs(s["f1"] - (0.8 / 2)) < 1e-12
     assert g.score_answers("oslo", ["oslo", "christiania"])["em_count"] == 1  # flat list = one objective
+
+
+def test_score_answers_uses_the_same_normaliser():
+    s = g.score_answers("A ; STRASSE ; \u22125 ; 10.8", [["a"], ["stra\u00dfe"], ["-5"], ["108"]])
+    assert s["em_count"] == 3 and s["f1"] == 0.75
 
 # -----------------------------------------------------------------------------
 # format
@@ -231,3 +262,54 @@ def test_baselines_are_weak():
 def test_gold_answer_text_format():
     t = g.MemoryTask("x", "q1 ; q2", [["oslo"], ["ada"]], {}, [2, 2])
     assert g.gold_answer_text(t) == "<answer> oslo ; ada </answer>"
+
+
+# -----------------------------------------------------------------------------
+# turns cut at max_response_tokens (rollout's finish='length'; issue #13 case 7)
+
+
+def test_cut_turn_is_malformed_whatever_its_text():
+    t = g.make_tasks("train", 1, n_objectives=(1, 1))[0]
+    env = g.MemoryEnv()
+    env.reset(t)
+    key = next(iter(t.facts))
+    obs, r, done, info = env.step(f"x </mem> <search> {key} </search>", "length")  # well formed, not searched
+    assert (obs, r, done, info["n_invalid"]) == (g.BAD_FORMAT, 0.0, False, 1)
+    _, r, done, info = env.step(f"x </mem> <answer> {t.golds[0][0]} </answer>")  # right, but turn 1 was cut
+    assert done and r == 0.0 and not info["success"] and info["format_reason"] == "turn 1: cut at the response length limit"
+    env.reset(t)
+    _, r, done, info = env.step(f"x </mem> <answer> {t.golds[0][0]} </answer>", "length")
+    assert not done and r == 0.0 and info["n_invalid"] == 1
+
+
+def _mem_tok():
+    from gym import build_tokenizer
+    return build_tokenizer(g.memory_texts())
+
+
+MEM_TOK = _mem_tok()
+MEM_STOPS = [MEM_TOK.stoi["</search>"], MEM_TOK.stoi["</answer>"]]
+MEM_TASK = g.make_tasks("train", 1, seed=3, n_objectives=(1, 1), hops=(2, 2))[0]
+_K = next(iter(MEM_TASK.facts))
+MEM_TURNS = [MEM_TOK.encode(s) for s in (f"a </mem> <search> {_K} </search>", "a </mem> <think> b </think> <search> q </search>",
+                                         f"a </mem> <answer> {MEM_TASK.golds[0][0]} </answer>", "a ; b </mem> <answer> c </answer>",
+                                         f"a </mem> <search> {_K} </search> <answer> b </answer>")]
+WORDS = st.lists(st.sampled_from(sorted(set(i for s in MEM_TURNS for i in s)) + [MEM_TOK.stoi["<nl>"], MEM_TOK.stoi["<mem>"]]),
+                 max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(WORDS, st.tuples(st.sampled_from(MEM_TURNS), st.integers(0, 14)).map(lambda c: c[0][:c[1]])),
+                min_size=1, max_size=8))
+def test_finish_length_steps_exactly_as_the_unterminated_text_did(turns):
+    # the tiny gym's numbers must not move: a turn without its stop token (</search>, </answer>) never
+    # passed the format check (every id decodes to one word), so 'length' changes nothing
+    new, old = g.MemoryEnv(), g.MemoryEnv()
+    new.reset(MEM_TASK), old.reset(MEM_TASK)
+    for ids in turns:
+        finish = "stop" if ids and ids[-1] in MEM_STOPS else "length"  # rollout.py's rule
+        text = MEM_TOK.decode(ids)
+        a, b = new.step(text, finish), old.step(text)  # old: no finish argument (the code before it)
+        assert a == b
+        if a[2]:
+            break

@@ -35,6 +35,36 @@ def test_search_edge_cases():
     assert len(hits) == 3 and hits[0][1] >= hits[1][1] >= hits[2][1] > 0
 
 
+MINI = ['Malcolm X: Malcolm X was an American Muslim minister and human rights activist.',
+        'Malcolm Gladwell: Malcolm Gladwell is a Canadian journalist. Malcolm Gladwell wrote Outliers.',
+        'Plan 9 from Outer Space: Plan 9 from Outer Space is a 1957 science fiction film.',
+        'Plan B (musician): Plan B is an English rapper; his plan was to make a film.',
+        'Stra\u00dfe: a German street.']
+
+
+def test_one_character_words_are_searchable():
+    # bm25s's default token pattern \w\w+ dropped 'X' and '9' from queries and passages (issue #13, case 4)
+    index = gs.SearchIndex(MINI)
+    top = lambda q: [doc.split(': ', 1)[0] for doc, _ in index.search(q, 3)]
+    assert top('Malcolm X')[0] == 'Malcolm X' and top('Plan 9')[0] == 'Plan 9 from Outer Space'
+    assert top('X') == ['Malcolm X'] and top('9') == ['Plan 9 from Outer Space']
+    assert top('STRASSE') == ['Stra\u00dfe']                         # case-folded, as answers are
+    assert gs.SearchIndex._tokenize(['Malcolm X, Plan 9 and Vitamin A']) == [
+        ['malcolm', 'x', 'plan', '9', 'vitamin', 'a']]               # stop words of two or more letters only
+
+
+def test_env_scores_answers_like_gym_memory(tmp_path):
+    corpus = tmp_path / 'docs.jsonl'
+    corpus.write_text('\n'.join(json.dumps({'text': d}) for d in MINI))
+    env = gs.SearchQAEnv(corpus=corpus)
+    t = gs.SearchTask('t', 'q1 ; q2 ; q3 ; q4', [['A'], ['Stra\u00dfe'], ['\u22125 \u00b0C'], ['10.8']])
+    for answer, reward, f1 in [('a.; STRASSE; -5 \u00b0C; 10.8', 4.0, 1.0), ('the; strase; 5 \u00b0C; 108', 0.0, 0.125)]:
+        env.reset(t)
+        env.step(SEARCH.replace('Corliss Archer Kiss and Tell', 'Malcolm X'))
+        _, r, done, info = env.step(ANSWER.format(answer))
+        assert done and r == reward and info['f1'] == pytest.approx(f1), answer
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match='nope.jsonl'):
         gs.load_jsonl_questions(tmp_path / 'nope.jsonl')
@@ -187,3 +217,39 @@ def test_step_never_raises(task):
         obs, r, done, info = env.step(text)
         assert isinstance(obs, str) and r == 0.0 and isinstance(info, dict)
         assert done or info['n_invalid'] + info['n_search'] == 1
+
+
+def test_cut_turn_is_malformed_whatever_its_text(task):
+    # issue #13 case 7: a turn cut at max_response_tokens (finish='length') may end on </search> or
+    # </answer> and still be unfinished; it must not search, answer or pass the format check
+    env = gs.SearchQAEnv()
+    env.reset(task)
+    obs, r, done, info = env.step(SEARCH, 'length')
+    assert obs.startswith('error: bad format (the turn reached the response length limit')
+    assert not done and info == dict(n_turns=1, n_invalid=1, n_search=0)
+    env.step(SEARCH)
+    _, r, done, info = env.step(ANSWER.format('Chief of Protocol'))
+    assert done and r == 0.0 and info['em'] == 1.0 and info['format_reason'] == 'turn 1: cut at the response length limit'
+    env.reset(task)
+    env.step(SEARCH)
+    _, r, done, info = env.step(ANSWER.format('Chief of Protocol'), 'length')
+    assert not done and r == 0.0 and info['n_invalid'] == 1
+
+
+@pytest.mark.parametrize('end', ['<|im_end|>', ''])
+def test_rollout_runs_no_search_for_a_turn_without_its_stop_token(task, end):
+    # through rollout_batch with the real Qwen tokenizer: without <|im_end|> the turn is 'length'
+    import hf
+    from rollout import chat_format, rollout_batch
+    fmt = chat_format(hf.qwen_tokenizer(), memory=True)
+    seen = []
+
+    def policy(ep):
+        seen.append(ep.texts[-1])
+        return SEARCH[1:] + end  # after the forced '<mem>\n'
+    cfg = dict(max_turns=2, max_len=2048, max_response_tokens=64, keep_tool_results='all', temperature=1.0)
+    t = rollout_batch([policy], fmt, [gs.SearchQAEnv(max_obs_tokens=50)], [task], cfg)[0]
+    if end:
+        assert seen[1].startswith('[1] Kiss and Tell') and (t.info['n_search'], t.info['n_invalid']) == (2, 0)
+    else:
+        assert seen[1].startswith('error: bad format') and (t.info['n_search'], t.info['n_invalid']) == (0, 2)

@@ -239,3 +239,51 @@ def test_parse_tool_call_never_raises(text):
 @given(st.text(min_size=1), st.text())
 def test_edit_calls_round_trip(old, new):
     assert G.parse_tool_call(call("edit", old=old, new=new)) == ("edit", {"old": old, "new": new})
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    import hf
+    return hf.qwen_tokenizer()
+
+
+@pytest.mark.parametrize("budget", [13, 15])
+def test_turn_cut_at_max_response_tokens_is_not_run(qwen, budget):
+    # issue #13 case 7: the read call is 15 Qwen tokens with its <|im_end|>; cut at 13 it has neither
+    # </tool_call> nor a stop token, yet parse_tool_call tolerates the missing tag and read ran
+    from rollout import chat_format, rollout_batch
+    fmt = chat_format(qwen, tools=G.tool_schemas())
+    read = call("read") + "<|im_end|>"
+    short = '<tool_call>{"name": "read"}</tool_call><|im_end|>'  # 9 tokens: always within the budget
+    assert len(fmt.encode(read)) == 15 and len(fmt.encode(short)) == 9
+    seen = []
+
+    def policy(ep):
+        seen.append(ep.texts[-1])
+        return short if ep.turns else read
+    task = BY_NAME["gcd"]
+    cfg = dict(max_turns=2, max_len=4096, max_response_tokens=budget, keep_tool_results="all", temperature=1.0)
+    t = rollout_batch([policy], fmt, [G.QuixBugsEnv()], [task], cfg)[0]
+    first = fmt.decode(t.turns[0]["response"])
+    if budget == 13:
+        assert first.endswith('"arguments": {}}\n') and "</tool_call>" not in first  # cut before the tag
+        assert seen[1].startswith("error:") and t.info["n_invalid"] == 1 and t.info["stop"] == "truncated"
+        assert seen[1] == G.CUT_ERROR and t.turns[0]["finish"] == "length"
+    else:
+        assert seen[1] == G.numbered(task.buggy_source) and t.info["n_invalid"] == 0
+        assert t.turns[0]["finish"] == "stop"
+    assert t.turns[1]["finish"] == "stop" and len(t.turns) == 2
+
+
+def test_step_with_finish_length_runs_no_tool():
+    t = BY_NAME["gcd"]
+    env = G.QuixBugsEnv()
+    env.reset(t)
+    edit = call("edit", old="gcd(a % b, b)", new="gcd(b, a % b)")
+    obs, r, done, info = env.step(edit, "length")  # a complete, valid call: still not run
+    assert obs == G.CUT_ERROR and env.source == t.buggy_source and not done
+    assert (info["n_turns"], info["n_invalid"], info["n_edits"]) == (1, 1, 0)
+    obs, r, done, info = env.step(call("submit"), "length")
+    assert not done and r == 0.0 and info["n_invalid"] == 2
+    obs, r, done, info = env.step(edit)  # finish defaults to 'stop' for direct callers
+    assert "now read" in obs and info["n_edits"] == 1 and info["n_invalid"] == 2

@@ -68,8 +68,8 @@ class Recorder:
     def reset(self, task):
         return self.env.reset(task)
 
-    def step(self, action):
-        out = self.env.step(action)
+    def step(self, action, finish='stop'):
+        out = self.env.step(action, finish)
         self.actions.append(action)
         self.observations.append(out[0])
         return out

@@ -18,7 +18,7 @@ class CountEnv:
         self.n = 0
         return f'task {task}'
 
-    def step(self, action):
+    def step(self, action, finish='stop'):
         self.n += 1
         if action.split()[1:2] == ['submit']:
             return '', 1.0, True, dict(stop='submit', success=True)
@@ -134,11 +134,11 @@ def test_truncation_by_turns_and_context_gives_reward_0():
 
 def test_env_that_raises_or_nan_reward_marks_episode_invalid():
     class Broken(CountEnv):
-        def step(self, action):
+        def step(self, action, finish='stop'):
             raise RuntimeError('tool crashed')
 
     class NaNReward(CountEnv):
-        def step(self, action):
+        def step(self, action, finish='stop'):
             return '', float('nan'), True, {}
     tok = count_tok()
     pol = [lambda ep: '<call> read </call>'] * 2
@@ -169,3 +169,59 @@ def test_memory_reward_scores_answer_tokens_only_in_the_two_contexts(mem_setup):
         cols = [len(ctx) - 1 + i for i, m in enumerate(amask) if m]
         return torch.exp(lp[cols].mean())
     assert torch.allclose(mem_r[0, k], p(short) - p(full), atol=1e-5)
+
+
+class FinishEnv(CountEnv):
+    """CountEnv that records the finish reason the rollout hands to every step."""
+    def reset(self, task):
+        self.finishes = []
+        return super().reset(task)
+
+    def step(self, action, finish='stop'):
+        self.finishes.append(finish)
+        return super().step(action)
+
+
+def test_finish_reason_of_sampled_and_scripted_turns_reaches_the_env():
+    # issue #13 case 7: a turn without its stop token (cut at max_response_tokens) must reach the env as 'length'
+    tok = count_tok()
+    fmt = word_format(tok)
+    torch.manual_seed(1)
+    model = TinyAgent(tok.vocab_size, 1, 2, 32, 128).eval()
+    envs = [FinishEnv() for _ in range(16)]
+    trajs = sampled(model, fmt, envs, list(range(16)), dict(CFG, keep_tool_results='all', max_response_tokens=4, max_turns=6))
+    got = [(f, tr['finish']) for t, e in zip(trajs, envs) for f, tr in zip(e.finishes, t.turns)]
+    want = [('stop' if tr['response'][-1] == tok.call_end_id else 'length',) * 2 for t in trajs for tr in t.turns]
+    assert got == want and {f for f, _ in got} == {'stop', 'length'}
+    # scripted texts: cut (even right after a stop id) or not ending with a stop id -> 'length'
+    texts = {'<call> read </call>': 'stop', '<call> read': 'length', '<call> read </call> ok': 'length',
+             '<call> read </call> <call> submit </call>': 'length', '': 'length'}
+    envs = [FinishEnv() for _ in texts]
+    rollout_batch([lambda ep, s=s: s for s in texts], fmt, envs, list(range(len(texts))),
+                  dict(CFG, keep_tool_results='all', max_response_tokens=3, max_turns=1))
+    assert [e.finishes for e in envs] == [[f] for f in texts.values()]
+
+
+def test_prompts_that_leave_no_room_for_a_turn_fail_at_setup():
+    # issue #13 case 8: `task N` is 3 tokens with <bos>; a turn needs max_response_tokens more
+    from rollout import check_prompts_fit
+    gym_ = dict(fmt=word_format(count_tok()), make_env=CountEnv, train_tasks=[0, 7], eval_tasks=[12])
+    assert check_prompts_fit(gym_, dict(max_len=10, max_response_tokens=7)) == 3
+    with pytest.raises(ValueError, match='max_len=10 is too short: the longest prompt is 3 tokens and a '
+                                         'turn needs max_response_tokens=8 more'):
+        check_prompts_fit(gym_, dict(max_len=10, max_response_tokens=8))
+    task = gm.make_tasks('train', 1)[0]  # the memory gym's forced <mem> counts too
+    gym_ = dict(fmt=word_format(build_tokenizer(gm.memory_texts()), memory=True), make_env=gm.MemoryEnv,
+                train_tasks=[], eval_tasks=[task])
+    n = 1 + len(task.question.split()) + 1
+    assert check_prompts_fit(gym_, dict(max_len=n + 24, max_response_tokens=24)) == n
+
+
+def test_collate_without_rows_raises_a_clear_error():
+    # every prompt plus max_response_tokens exceeds max_len: no episode reaches its first turn
+    fmt = word_format(count_tok())
+    trajs = rollout_batch([lambda ep: '<call> read </call>'] * 2, fmt, [CountEnv(), CountEnv()], [0, 1],
+                          dict(CFG, keep_tool_results='all', max_len=8, max_response_tokens=6))
+    assert all(t.info['stop'] == 'truncated' and not t.rows for t in trajs)
+    with pytest.raises(ValueError, match=r'collate: no training rows \(2 episodes'):
+        collate(trajs, 0)
