@@ -34,8 +34,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sample import read_metrics
-from train import fail, load_config, parse_value
+from report import read_metrics
+from config import fail, load_config, parse_value
 
 VARIANTS = {  # name -> overrides on top of the config file
     'mempo': [],

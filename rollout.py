@@ -25,78 +25,11 @@ Simplifications, on purpose:
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from gym import OWNER, STOPS
 from model import autocast, forward_cached, position_ids_from_mask, sample_next, select_cache, sequence_log_probs
-
-OWNER = {'template': 0, 'prompt': 1, 'policy': 2, 'tool': 3}
-
-# -----------------------------------------------------------------------------
-# formats: how text becomes ids for one kind of model
-
-
-@dataclass
-class Format:
-    """How text becomes ids. prompt(text) and observation(text) return (ids, owners); a prompt ends
-    where the policy's first turn starts, an observation sits between a policy turn and the next.
-    turn_prefix is forced at the start of every policy turn (template tokens, e.g. <mem>)."""
-    prompt: Callable
-    observation: Callable
-    decode: Callable
-    encode: Callable              # only for scripted (text) policies and gold answers, never for samples
-    stop_ids: list
-    pad_id: int
-    turn_prefix: list = field(default_factory=list)
-    mem_span: Callable = None     # response ids -> length of its memory span through </mem> (0: none)
-    fold_close: list = field(default_factory=list)  # template ids closing a folded memory turn
-
-
-def word_format(tok, memory=False):
-    """The tiny model's format: `<bos> prompt`, then per turn the policy's words (ending with its stop
-    token) and `<obs> observation </obs>`. With memory every turn is forced to open with <mem>."""
-    T, P, X = OWNER['template'], OWNER['prompt'], OWNER['tool']
-
-    def prompt(text):
-        ids = tok.encode(text)
-        return [tok.bos_id] + ids, [T] + [P] * len(ids)
-
-    def observation(text):
-        ids = tok.encode(text)
-        return [tok.obs_id] + ids + [tok.obs_end_id], [T] + [X] * len(ids) + [T]
-
-    def mem_span(response):
-        end = tok.stoi['</mem>']
-        return response.index(end) + 1 if end in response else 0
-
-    stops = ['</search>', '</answer>'] if memory else ['</call>']
-    return Format(prompt=prompt, observation=observation, decode=tok.decode, encode=tok.encode,
-                  stop_ids=[tok.stoi[s] for s in stops], pad_id=tok.pad_id,
-                  turn_prefix=[tok.stoi['<mem>']] if memory else [], mem_span=mem_span if memory else None)
-
-
-def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False):
-    """A Hugging Face tokenizer's chat template (hf.py): the prompt and each tool turn are the ids the
-    template writes for them; the policy's turn ends with the <|im_end|> it samples (a policy token).
-    With memory every assistant turn is forced to open with '<mem>\\n' (with the newline: '>\\n' is how
-    the BPE splits it in running text). A memory span ends with the token that completes '</mem>',
-    which may also carry the next character: real vocabularies have no single </mem> id."""
-    import hf
-    prefix = '<mem>\n' if memory else ''
-    im_end = tok.convert_tokens_to_ids('<|im_end|>')
-
-    def mem_span(response):
-        return hf.span_through(tok, response, '</mem>') or 0
-
-    return Format(prompt=lambda text: hf.prompt_ids(tok, system, text, tools, enable_thinking),
-                  observation=lambda text: hf.tool_turn_ids(tok, text, tools, enable_thinking),
-                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                  encode=lambda text: tok.encode(text, add_special_tokens=False),
-                  stop_ids=hf.stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else im_end,
-                  turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
-                  mem_span=mem_span if memory else None, fold_close=[im_end] if memory else [])
-
 
 # -----------------------------------------------------------------------------
 # episodes and trajectories
@@ -187,6 +120,19 @@ def finish(ep, reward, info, stop=None):
     ep.info.setdefault('n_turns', len(ep.turns))
 
 
+def check_done_info(env, info):
+    """A finished episode's info must hold success and a stop in gym.STOPS (the gym contract, gym.py):
+    without them success rates would silently count 0. Raises ValueError naming the env class."""
+    name = type(env).__name__
+    missing = [k for k in ('success', 'stop') if not isinstance(info, dict) or k not in info]
+    if missing:
+        raise ValueError(f"{name}.step returned done=True without info[{missing[0]!r}] (gym.py: a finished "
+                         f"episode's info holds success and stop)")
+    if info['stop'] not in STOPS:
+        raise ValueError(f"{name}.step returned done=True with info['stop']={info['stop']!r}, not one of gym.STOPS "
+                         f"({', '.join(STOPS)})")
+
+
 def record_turn(ep, fmt, context, response, logp, cfg, finish_reason):
     """Append one sampled turn to the episode, step the environment (finish_reason 'stop' or
     'length', see Simplification 2), append its observation."""
@@ -213,6 +159,7 @@ def record_turn(ep, fmt, context, response, logp, cfg, finish_reason):
         ep.valid = False
         return finish(ep, 0.0, {'error': f'{type(e).__name__}: {e}'}, stop='env_error')
     if done:
+        check_done_info(ep.env, info)  # outside the try: a gym that breaks the contract stops the run
         return finish(ep, reward, info)
     if t + 1 >= cfg['max_turns']:
         return finish(ep, 0.0, info, stop='truncated')
@@ -368,7 +315,7 @@ def check_prompts_fit(gym_, cfg):
     fmt.turn_prefix) plus max_response_tokens exceeds max_len, since rollout_batch would end that
     episode 'truncated' before its first turn. gym_: a dict with fmt, make_env, train_tasks and
     eval_tasks (train.py's gym). Resets a fresh make_env() per task and encodes every prompt (cheap:
-    16096 memory tasks take 0.1 s). Returns the longest first context in tokens."""
+    16096 tasks take 0.1 s). Returns the longest first context in tokens."""
     fmt, tasks = gym_['fmt'], list(gym_['train_tasks']) + list(gym_['eval_tasks'])
     longest = max((len(fmt.prompt(gym_['make_env']().reset(t))[0]) for t in tasks), default=0) + len(fmt.turn_prefix)
     if longest + cfg['max_response_tokens'] > cfg['max_len']:
@@ -400,6 +347,14 @@ def pad_stack(rows, length, value):
     for i, r in enumerate(rows):
         out[i, :len(r)] = r
     return out
+
+
+def episode_rows(row_episode, n_episodes):
+    """row_episode [R] (collate's episode index of each row) -> list of n_episodes lists of row indices."""
+    rows = [[] for _ in range(n_episodes)]
+    for r, e in enumerate(row_episode.tolist()):
+        rows[e].append(r)
+    return rows
 
 
 def collate(trajs, pad_id):

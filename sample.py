@@ -1,41 +1,50 @@
 """
-Run a policy on tasks and look at what it did: episodes as text, one HTML page with every token
-coloured by owner, the training curves as a PNG, and the summary train.py prints at the end.
+Look at a policy: episodes as text, one HTML page with every token coloured by owner, the training
+curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs.
 
-    python sample.py --out_dir=out                          # newest checkpoint, 4 held-out episodes
-    python sample.py --out_dir=out --n=8 --greedy --html=episodes.html
+    python sample.py --out_dir=out/tiny                         # newest checkpoint, 4 held-out episodes
+    python sample.py --out_dir=out/tiny --n=8 --greedy --html=episodes.html
     python sample.py config/tiny.yaml --untrained --html=untrained.html   # config only, random weights
-    python sample.py --metrics_rollout=out/rollout_000050.pt --html=step50.html  # a training batch + advantages
-    python sample.py --out_dir=out --curves=curves.png      # plot out/metrics.jsonl
+    python sample.py --metrics_rollout=out/tiny/rollout_000050.pt --html=step50.html  # a training batch + advantages
+    python sample.py --out_dir=out/tiny --curves=curves.png     # plot out/tiny/metrics.jsonl
+    python sample.py --out_dir=out/tiny --eval                  # every held-out task, greedy
+    python sample.py config/smollm2_hotpotqa.yaml --eval --eval_tasks=50 --untrained   # zero-shot
+    python sample.py --out_dir=out/q --eval --sampled --samples=4 --json=eval.json
 
 Flags of this script: --split=heldout|train --n=4 --html=FILE --greedy --untrained --metrics_rollout=FILE
---curves=FILE. Every other argument (a YAML file, --key=value) goes to train.py's config, on top of
-the checkpoint's own config when there is one.
+--curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
+--samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
+--json=FILE. Every other argument (a YAML file, --key=value) is train.py's config, on top of the
+checkpoint's own config when out_dir holds one (eval_tasks = how many held-out tasks, 0 = all).
 
 Simplifications, on purpose:
 1. The HTML page is static: inline CSS, one <span> per token, no JavaScript. Hovering a token shows
    its position, id, turn and sampling log-prob in the browser's own tooltip.
 2. A token's text is decode([id]) on its own: a Hugging Face byte-level piece that is half of a
    character shows as a replacement character.
-3. TensorBoard and wandb are optional and only mirror metrics.jsonl, which stays the record.
+3. Evaluation runs one rollout batch at a time, no sharding over processes.
 """
 
-import dataclasses
-import glob
 import html
 import json
 import os
 import random
 import sys
+import time
+from collections import Counter
 
 import torch
+from tqdm import tqdm
 
+import report
+from config import check_key, config, fail, load_config, parse_value
+from gym import OWNER, load_gym
 from model import load_policy
-from rollout import OWNER, rollout_batch
+from rollout import run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
-CURVES = 'curves.png'        # file names inside out_dir, shared with train.py and run_summary
-EPISODES = 'episodes.html'
+OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, metrics_rollout='', curves='',
+               eval=False, sampled=False, samples=1, batch=16, show=2, json='')
 
 # -----------------------------------------------------------------------------
 # running episodes
@@ -43,8 +52,8 @@ EPISODES = 'episodes.html'
 
 def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator=None):
     """n episodes of `model` on tasks drawn (seeded by cfg['seed']) from the gym's split -> list of
-    Trajectory. A generator of its own by default, so calling this from train.py leaves the
-    training RNG untouched. Raises ValueError on an unknown split."""
+    Trajectory. A generator of its own by default, so the caller's RNG streams stay untouched.
+    Raises ValueError on an unknown split."""
     if split not in ('heldout', 'train'):
         raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
     pool = gym_['eval_tasks' if split == 'heldout' else 'train_tasks']
@@ -52,38 +61,31 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
     tasks = rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
     if generator is None:
         generator = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
-    model.eval()
     with torch.no_grad():
-        return rollout_batch(model, gym_['fmt'], [gym_['make_env']() for _ in tasks], tasks, cfg,
-                             generator=generator, temperature=0.0 if greedy else None)
+        return run_tasks(model, gym_, cfg, tasks, generator=generator, temperature=0.0 if greedy else None)
 
 
-def episode_advantages(trajs, batch, adv):
-    """Map the trainer's per-row advantages adv [R, L-1] (rows as collate() made them) back onto each
-    episode's full sequence -> list of [T-1] tensors, 0 off policy tokens.
-
-    Every sampled response is trained in exactly one row and the rows of an episode come in turn
-    order, so the masked row entries, concatenated, are the episode's policy tokens in order."""
-    out = []
-    for n, t in enumerate(trajs):
-        rows = (batch['row_episode'] == n).nonzero().squeeze(1).tolist()
-        vals = torch.cat([adv[r][batch['action_mask'][r].bool()] for r in rows]).float().cpu()
-        full = torch.zeros(len(t.ids) - 1)
-        pol = t.action_mask.bool()
-        assert int(pol.sum()) == len(vals), 'rows and episode disagree on the policy tokens'
-        full[pol] = vals
-        out.append(full)
-    return out
-
-
-def dump_rollout(path, trajs, batch, adv, cfg, step):
-    """Save one training batch for `sample.py --metrics_rollout=path`: the trajectories (training rows
-    dropped, they are rebuilt from the full sequence), per-episode advantages [T-1], config, step."""
-    state = dict(step=step, config=cfg, advantages=episode_advantages(trajs, batch, adv),
-                 trajs=[dataclasses.replace(t, rows=[]) for t in trajs])
-    torch.save(state, path + '.tmp')
-    os.replace(path + '.tmp', path)
-    return path
+@torch.no_grad()
+def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16):
+    """Every held-out task of gym_, `samples` times, `batch` episodes per rollout batch. Returns
+    (metrics dict, trajectories): train.py's episode metrics plus turns, invalid turns, format rate
+    and stop reasons. Sampling draws from a generator seeded by cfg['seed']: the same arguments give
+    the same numbers on CPU."""
+    tasks = gym_['eval_tasks']
+    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
+    per = max(1, batch // samples)  # tasks per rollout batch; a task's samples stay together
+    trajs = []
+    for i in tqdm(range(0, len(tasks), per), desc='eval', unit='batch', leave=False):
+        trajs += run_tasks(model, gym_, cfg, tasks[i:i + per], samples, generator=gen,
+                           temperature=0.0 if greedy else None)
+    n = max(len(trajs), 1)
+    out = dict(episodes=len(trajs), **report.episode_metrics([report.summarise(t) for t in trajs]),
+               turns_mean=sum(len(t.turns) for t in trajs) / n,
+               invalid_turns_mean=sum(t.info.get('n_invalid', 0) for t in trajs) / n,
+               stops=dict(Counter(str(t.info.get('stop')) for t in trajs)))
+    if any('format_ok' in t.info for t in trajs):  # SearchQA: the whole episode passed validate_format
+        out['format_ok_rate'] = sum(bool(t.info.get('format_ok')) for t in trajs) / n
+    return out, trajs
 
 
 # -----------------------------------------------------------------------------
@@ -224,193 +226,56 @@ def write_html(path, trajs, tok, advantages=None, title='nanoagent episodes'):
 
 
 # -----------------------------------------------------------------------------
-# curves, external loggers, run summary
-
-PANELS = [  # (title, metrics.jsonl keys, log scale); eval_baseline_* are drawn dashed on held-out success
-    ('train reward / success', ['reward_mean', 'success_rate'], False),
-    ('held-out success', ['eval_success_rate', 'eval_greedy_success'], False),
-    ('KL to reference', ['kl'], False),
-    ('entropy (nats / policy token)', ['entropy'], False),
-    ('clip fraction', ['clip_frac'], False),
-    ('truncation rate', ['truncation_rate', 'eval_truncation_rate'], False),
-    ('context per episode (tokens)', ['tt', 'pt', 'eval_tt', 'eval_pt'], False),  # tt processed, pt peak
-    ('logp_gap_max (sampler vs trainer)', ['logp_gap_max'], True),
-    ('turns per episode', ['turns_mean'], False),
-]
 
 
-def read_metrics(path):
-    """metrics.jsonl -> list of dicts; a half-written last line (a run killed mid-write) is skipped."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def _number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-
-
-_NOTICES = set()
-
-
-def plot_metrics(metrics_path, png_path):
-    """A 3x3 PNG of the main curves of metrics.jsonl against step (see PANELS). Keys a run did not
-    log leave their panel empty. Returns png_path, or None without matplotlib (a notice, once per process)."""
-    try:
-        from matplotlib.figure import Figure  # no pyplot: the Agg canvas, no global figure state
-    except ImportError:
-        if 'matplotlib' not in _NOTICES:  # once per process: train.py calls this at every evaluation
-            print('plot_metrics: matplotlib is not installed, no curves (pip install matplotlib)')
-            _NOTICES.add('matplotlib')
-        return None
-    rows = read_metrics(metrics_path)
-    fig = Figure(figsize=(13, 9), layout='constrained')
-    for ax, (title, keys, log) in zip(fig.subplots(3, 3).flat, PANELS):
-        ax.set_title(title, fontsize=10)
-        for key in keys:
-            pts = [(r['step'], r[key]) for r in rows if _number(r.get(key))]
-            if pts:
-                xs, ys = zip(*pts)
-                ys = [max(y, 1e-12) for y in ys] if log else ys  # a gap of exactly 0 has no logarithm
-                ax.plot(xs, ys, marker='o' if len(pts) < 30 else None, ms=3, label=key)
-        if title == 'held-out success':
-            last = {k: v for r in rows for k, v in r.items() if k.startswith('eval_baseline_') and _number(v)}
-            for i, (k, v) in enumerate(sorted(last.items())):
-                ax.axhline(v, ls='--', lw=1, color=f'C{(i + 2) % 10}', label=k[len('eval_baseline_'):])
-        if log:
-            ax.set_yscale('log')
-            ax.axhline(1e-5, ls=':', color='gray', label='1e-5 bound')
-        if ax.has_data():
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, 'not logged', ha='center', va='center', color='gray', transform=ax.transAxes)
-        ax.set_xlabel('step', fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(metrics_path)
-    fig.savefig(png_path, dpi=80)
-    return png_path
-
-
-_loggers = {}  # 'tensorboard' / 'wandb' -> writer, run, or False when unavailable
-
-
-def _logger(kind, cfg):
-    if kind not in _loggers:
-        try:
-            if kind == 'tensorboard':
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-                _loggers[kind] = SummaryWriter(os.path.join(cfg['out_dir'], 'tb'))
-            else:
-                import wandb
-                _loggers[kind] = wandb.init(project=cfg['wandb_project'], config=cfg, dir=cfg['out_dir'])
-        except ImportError:
-            print(f'log_external: {kind} is not installed; logging to metrics.jsonl only')
-            _loggers[kind] = False
-    return _loggers[kind]
-
-
-def log_external(cfg, log, step):
-    """Mirror one metrics line (numbers only) to TensorBoard when cfg['tensorboard'] and to wandb when
-    cfg['wandb_project'] is set, each only if installed (a missing one prints one notice)."""
-    scalars = {k: float(v) for k, v in log.items() if k != 'step' and _number(v)}
-    if cfg.get('tensorboard') and _logger('tensorboard', cfg):
-        w = _loggers['tensorboard']
-        for k, v in scalars.items():
-            w.add_scalar(k, v, step)
-        w.flush()
-    if cfg.get('wandb_project') and _logger('wandb', cfg):
-        _loggers['wandb'].log(scalars, step=step)
-
-
-def run_summary(out_dir, cfg, wall_s):
-    """A few lines for the end of a run: steps, wall time, tokens processed, best held-out score,
-    and the paths of the newest checkpoint, metrics, curves and episode page (marked when missing)."""
-    metrics = os.path.join(out_dir, 'metrics.jsonl')
-    rows = read_metrics(metrics) if os.path.exists(metrics) else []
-    steps = max((r['step'] for r in rows), default=0)
-    # tokens: every turn's context plus its response; step lines carry it as tokens or tokens_per_s x step_time_s
-    tokens = sum(r['tokens'] if _number(r.get('tokens')) else r.get('tokens_per_s', 0) * r.get('step_time_s', 0)
-                 for r in rows if r['step'] > 0)
-    lines = [f"run summary: gym {cfg.get('gym')}, model {cfg.get('model')}",
-             f"  steps        {steps} / {cfg.get('steps')}",
-             f"  wall time    {int(wall_s // 60)}m {wall_s % 60:.0f}s",
-             f"  tokens       {tokens / 1e6:.2f}M processed (contexts + responses, RL steps)"]
-    for key in ('eval_success_rate', 'eval_greedy_success'):
-        pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
-        if pts:
-            best, at = max(pts, key=lambda p: (p[0], -p[1]))
-            lines.append(f"  best {key:<20} {best:.3f} at step {at} (step 0: {pts[0][0]:.3f}, last: {pts[-1][0]:.3f})")
-    base = {k[len('eval_baseline_'):]: v for r in rows for k, v in r.items() if k.startswith('eval_baseline_')}
-    if base:
-        lines.append('  baselines    ' + ', '.join(f'{k} {v:.3f}' for k, v in sorted(base.items())))
-    ckpts = sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')))
-    for name, path in [('checkpoint', ckpts[-1] if ckpts else os.path.join(out_dir, 'ckpt_*.pt')),
-                       ('metrics', metrics), ('curves', os.path.join(out_dir, CURVES)),
-                       ('episodes', os.path.join(out_dir, EPISODES))]:
-        lines.append(f"  {name:<12} {path}" + ('' if os.path.exists(path) else '  (missing)'))
-    return '\n'.join(lines)
-
-
-# -----------------------------------------------------------------------------
-
-
-def parse_args(argv, defaults=None):
-    """Split argv into this script's options (`defaults`: their names and default values; evaluate.py
-    passes its own) and the rest (train.py's config arguments)."""
-    import train
-    opts = dict(defaults or dict(split='heldout', n=4, html='', greedy=False, untrained=False, metrics_rollout='',
-                                 curves=''))
-    rest = []
+def parse_args(argv, defaults=OPTIONS):
+    """Split argv into this script's options (`defaults`: names and default values) and the rest
+    (train.py's config arguments). Exits 2 with one line on a bad option."""
+    opts, rest = dict(defaults), []
     for arg in argv:
         key, eq, raw = arg[2:].partition('=')
         if not arg.startswith('--') or key not in opts:
             rest.append(arg)
         elif not eq and isinstance(opts[key], bool):
-            opts[key] = True  # a bare --greedy / --untrained
+            opts[key] = True  # a bare --greedy / --untrained / --eval
         else:
-            opts[key] = train.check_key(key, train.parse_value(key, raw, opts[key]), opts)
-    if opts.get('split', 'heldout') not in ('heldout', 'train'):
-        train.fail(f"--split must be heldout or train, got {opts['split']!r}")
-    if 'n' in opts and opts['n'] < 1:
-        train.fail(f"--n must be >= 1, got {opts['n']}")
-    for key in ('html', 'curves'):  # before any episode runs, not after
-        folder = os.path.dirname(opts.get(key) or '.') or '.'
+            opts[key] = check_key(key, parse_value(key, raw, opts[key]), opts)
+    if opts['split'] not in ('heldout', 'train'):
+        fail(f"--split must be heldout or train, got {opts['split']!r}")
+    for key in ('n', 'samples', 'batch'):
+        if opts[key] < 1:
+            fail(f"--{key} must be >= 1, got {opts[key]}")
+    for key in ('html', 'curves', 'json'):  # before any episode runs, not after
+        folder = os.path.dirname(opts[key] or '.') or '.'
         if not os.path.isdir(folder):
-            train.fail(f"--{key}={opts[key]}: folder {folder} does not exist")
+            fail(f"--{key}={opts[key]}: folder {folder} does not exist")
     return opts, rest
 
 
 def load_run(rest, untrained=False):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
-    the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config with `rest` on top,
-    or, with untrained=True or no checkpoint there, the policy cfg['model'] as train.py would build it
-    before training. A CUDA config falls back to the CPU when there is no GPU. Shared with evaluate.py."""
-    import train  # here, not at the top: train.py imports this file for its plots and summary
-    cfg = train.load_config(rest)
-    state, path = (None, None) if untrained else train.load_latest_checkpoint(cfg['out_dir'])
+    the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
+    with `rest` on top, or, with untrained=True or no checkpoint there, the policy cfg['model'] as
+    train.py would build it before training. A CUDA config falls back to the CPU without a GPU."""
+    cfg = load_config(rest)
+    state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'])
     if state is None and not untrained and any(a.startswith('--out_dir=') for a in rest):
         # a run directory named on the command line must hold a run: a typo must not quietly give
         # numbers of an untrained policy
-        train.fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
+        fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
-        cfg = train.load_config(rest, dict(train.config, **state['config']))
+        cfg = load_config(rest, dict(config, **state['config']))
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         print('no CUDA here: running on cpu')
         cfg['device'] = 'cpu'
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
-    gym_ = train.setup_gym(cfg)
+    gym_ = load_gym(cfg, state.get('vocab') if state else None, config)
     try:
         model = load_policy(cfg, gym_['tok'].vocab_size)
     except OSError as e:
-        train.fail(str(e))
+        fail(str(e))
     if state is not None:
         model.load_state_dict(state['model'])
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
@@ -419,27 +284,58 @@ def load_run(rest, untrained=False):
     return cfg, gym_, model, policy
 
 
+def load_dump(path, rest):
+    """(cfg, gym_, trajectories, advantages, title) of a rollout dump written by dump_rollouts: true."""
+    if not os.path.isfile(path):
+        fail(f"no rollout dump {path} (a run writes them with dump_rollouts: true)")
+    try:
+        dump = torch.load(path, map_location='cpu', weights_only=False)  # our own file
+        dump['trajs'], dump['advantages'], dump['config'], dump['step']
+    except Exception as e:  # a metrics file, a checkpoint, a torn file
+        fail(f"--metrics_rollout={path} is not a rollout dump (rollout_*.pt): "
+             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    cfg = load_config(rest, dict(config, **dump['config']))
+    print(f"rollout dump {path}: step {dump['step']}, {len(dump['trajs'])} episodes")
+    title = f"{cfg['gym']} · training batch of step {dump['step']} ({os.path.basename(path)})"
+    return cfg, load_gym(cfg, None, config), dump['trajs'], dump['advantages'], title
+
+
+def main_eval(opts, rest):
+    """--eval: every held-out task; prints one line of numbers and their JSON, returns the dict."""
+    t0 = time.time()
+    cfg, gym_, model, policy = load_run(rest, opts['untrained'])
+    numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'])
+    for t in trajs[:opts['show']]:
+        print_episode(t, gym_['tok'])
+    settings = {k: cfg[k] for k in ('gym', 'model', 'data', 'prompt_style', 'keep_tool_results', 'max_turns',
+                                    'max_response_tokens', 'max_obs_tokens', 'max_len', 'enable_thinking')}
+    result = dict(policy=policy, **settings, decoding='sampled' if opts['sampled'] else 'greedy',
+                  temperature=cfg['temperature'] if opts['sampled'] else 0.0, tasks=len(gym_['eval_tasks']),
+                  samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
+    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok_rate']
+    print(f"{policy} on {result['tasks']} held-out {cfg['gym']} tasks x {opts['samples']}, {result['decoding']}, "
+          f"keep_tool_results={cfg['keep_tool_results']}: "
+          + ', '.join(f'{k} {result[k]:.3f}' if isinstance(result[k], float) else f'{k} {result[k]}'
+                      for k in keys if k in result))
+    print(json.dumps(result))
+    if opts['json']:
+        with open(opts['json'], 'w') as f:
+            json.dump(result, f, indent=1)
+    if opts['html']:
+        print('wrote', write_html(opts['html'], trajs, gym_['tok'], title=f"nanoagent · eval · {policy}"))
+    return result
+
+
 def main(argv):
-    import train
     opts, rest = parse_args(argv)
-    cfg = train.load_config(rest)
+    if opts['eval']:
+        return main_eval(opts, rest)
+    cfg = load_config(rest)
     if opts['curves'] and not os.path.isfile(os.path.join(cfg['out_dir'], 'metrics.jsonl')):
-        train.fail(f"--curves: no metrics.jsonl in {cfg['out_dir']}")
+        fail(f"--curves: no metrics.jsonl in {cfg['out_dir']}")
     advantages = None
     if opts['metrics_rollout']:
-        if not os.path.isfile(opts['metrics_rollout']):
-            train.fail(f"no rollout dump {opts['metrics_rollout']} (a run writes them with dump_rollouts: true)")
-        try:
-            dump = torch.load(opts['metrics_rollout'], map_location='cpu', weights_only=False)  # our own file
-            dump['trajs'], dump['advantages'], dump['config'], dump['step']
-        except Exception as e:  # a metrics file, a checkpoint, a torn file
-            train.fail(f"--metrics_rollout={opts['metrics_rollout']} is not a rollout dump (rollout_*.pt): "
-                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        cfg = train.load_config(rest, dict(train.config, **dump['config']))
-        gym_ = train.setup_gym(cfg)
-        trajs, advantages = dump['trajs'], dump['advantages']
-        title = f"{cfg['gym']} · training batch of step {dump['step']} ({os.path.basename(opts['metrics_rollout'])})"
-        print(f"rollout dump {opts['metrics_rollout']}: step {dump['step']}, {len(trajs)} episodes")
+        cfg, gym_, trajs, advantages, title = load_dump(opts['metrics_rollout'], rest)
     else:
         cfg, gym_, model, policy = load_run(rest, opts['untrained'])
         title = f"{cfg['gym']} · {policy} · {opts['split']} · {'greedy' if opts['greedy'] else 'sampled'}"
@@ -452,7 +348,7 @@ def main(argv):
     if opts['html']:
         print('wrote', write_html(opts['html'], trajs, gym_['tok'], advantages, 'nanoagent · ' + title))
     if opts['curves']:
-        png = plot_metrics(os.path.join(cfg['out_dir'], 'metrics.jsonl'), opts['curves'])
+        png = report.plot_metrics(os.path.join(cfg['out_dir'], 'metrics.jsonl'), opts['curves'])
         if png:
             print('wrote', png)
 

@@ -10,11 +10,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)
 
-import gym_memory as gm  # noqa: E402
 from advantage import grpo_advantage, token_advantages  # noqa: E402
-from gym import build_tokenizer  # noqa: E402
+from gym import build_tokenizer, word_format  # noqa: E402
+from gyms import memory as gm  # noqa: E402
 from model import TinyAgent  # noqa: E402
-from rollout import collate, rollout_batch, word_format  # noqa: E402
+from rollout import collate, rollout_batch  # noqa: E402
 import train  # noqa: E402
 
 if int(os.environ.get('WORLD_SIZE', '1')) > 1:
@@ -33,6 +33,8 @@ trajs = rollout_batch(model, word_format(tok, memory=True), [gm.MemoryEnv() for 
                       groups=[g for g, _ in reps], generator=torch.Generator().manual_seed(0))
 for i, t in enumerate(trajs):  # an untrained policy earns nothing: give the groups a spread of rewards
     t.reward = float((i * 7) % 3 == 0)
+    if sys.argv[3:] == ['invalid']:  # every episode of the odd groups (all of rank 1's, under 2 ranks) invalid
+        t.valid = t.valid and t.group % 2 == 0
 mine = [i for i, t in enumerate(trajs) if t.group % world == rank]  # whole groups per rank
 local = [trajs[i] for i in mine]
 batch = collate(local, tok.pad_id)

@@ -36,7 +36,7 @@ def test_nocache_baseline_samples_the_same_tokens_as_kv_cache_greedy():
 
 
 def test_nocache_baseline_matches_kv_cache_greedy_on_tiny_qwen3():
-    from hf import tiny_qwen3
+    from model import tiny_qwen3
     model = tiny_qwen3(hidden=32)
     contexts = [[9707, 1879, 11], [40, 1079]]
     ours, _ = generate(model, contexts, [], 6, temperature=0.0, pad_id=151643)

@@ -16,12 +16,15 @@ def torchrun(n, *args):
     return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={n}', *args]
 
 
-@pytest.mark.parametrize('loss_agg', ['token-mean', 'seq-mean'])
-def test_two_ranks_equal_one_process_after_one_step(tmp_path, loss_agg):
+@pytest.mark.parametrize('loss_agg, invalid', [('token-mean', ''), ('seq-mean', ''), ('seq-mean', 'invalid')])
+def test_two_ranks_equal_one_process_after_one_step(tmp_path, loss_agg, invalid):
+    """With 'invalid', rank 1 holds only invalid episodes: it adds nothing and still joins every collective."""
     one, two = tmp_path / 'one.pt', tmp_path / 'two.pt'
-    subprocess.run([sys.executable, 'tests/ddp_step.py', str(one), loss_agg], cwd=ROOT, env=ENV, check=True, timeout=300)
-    p = subprocess.run(torchrun(2, 'tests/ddp_step.py', str(two), loss_agg), cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=300)
+    extra = [invalid] if invalid else []
+    subprocess.run([sys.executable, 'tests/ddp_step.py', str(one), loss_agg, *extra], cwd=ROOT, env=ENV, check=True,
+                   timeout=300)
+    p = subprocess.run(torchrun(2, 'tests/ddp_step.py', str(two), loss_agg, *extra), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = torch.load(one), torch.load(two)
     diff = max(float((x - y).abs().max()) for x, y in zip(a['params'], b['params']))
@@ -40,3 +43,13 @@ def test_torchrun_train_end_to_end(tmp_path):
     assert [l['step'] for l in lines] == [0, 1, 2]  # logged once, by rank 0
     assert lines[-1]['logp_gap_max'] <= 1e-5 and 'eval_success_rate' in lines[-1]
     assert len(list(tmp_path.glob('ckpt_*.pt'))) == 1
+
+
+def test_fewer_groups_than_processes_is_a_config_error(tmp_path):
+    """torchrun with 2 processes and batch_size=1 (one group): one line naming batch_size, exit 2 in the
+    ranks, before any rollout (it was a ValueError in collate on rank 1 and a gloo crash on rank 0)."""
+    p = subprocess.run(torchrun(2, 'train.py', 'config/tiny.yaml', '--batch_size=1', f'--out_dir={tmp_path}'),
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "error: config key 'batch_size' (1) must be at least the number of processes (2)" in p.stderr
+    assert 'Traceback' not in p.stderr.split('error: config key')[0] and not (tmp_path / 'metrics.jsonl').exists()

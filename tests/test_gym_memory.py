@@ -3,52 +3,53 @@ import unicodedata
 
 from hypothesis import given, settings, strategies as st
 
-import gym_memory as g
+import gym
+from gyms import memory as g
 
 # -----------------------------------------------------------------------------
 # scoring
 
 
 def test_normalize_answer_unicode_punctuation_articles():
-    assert g.normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
-    assert g.normalize_answer("1990\u20131995") == g.normalize_answer("1990-1995") == "19901995"  # en dash
-    assert g.normalize_answer("\u201cAn Apple\u201d") == "apple"  # curly quotes, article
-    assert g.normalize_answer("ＡＢＣ") == "abc"  # full-width (NFKC)
+    assert gym.normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
+    assert gym.normalize_answer("1990\u20131995") == gym.normalize_answer("1990-1995") == "19901995"  # en dash
+    assert gym.normalize_answer("\u201cAn Apple\u201d") == "apple"  # curly quotes, article
+    assert gym.normalize_answer("ＡＢＣ") == "abc"  # full-width (NFKC)
 
 
 def test_em_composed_and_decomposed_accents_match():
     composed, decomposed = "Beyonc\u00e9", "Beyonce\u0301"
     assert composed != decomposed and unicodedata.normalize("NFC", decomposed) == composed
-    assert g.em(decomposed, [composed]) == 1.0
-    assert g.em("beyonce", [composed]) == 0.0  # accents are kept, not stripped
+    assert gym.em(decomposed, [composed]) == 1.0
+    assert gym.em("beyonce", [composed]) == 0.0  # accents are kept, not stripped
 
 
 def test_em_f1_hand_computed():
-    assert g.em("the Oslo", ["oslo"]) == 1.0
-    assert g.em("oslo city", ["oslo", "bergen"]) == 0.0
-    assert g.f1("oslo city", ["oslo"]) == 2 * (1 / 2 * 1) / (1 / 2 + 1)  # p=1/2 r=1 -> 2/3
-    assert g.f1("new york city", ["bergen", "york city"]) == 2 * (2 / 3) * 1 / (2 / 3 + 1)  # max over aliases -> 0.8
-    assert g.f1("x", "x") == 1.0  # a bare str gold is one alias
+    assert gym.em("the Oslo", ["oslo"]) == 1.0
+    assert gym.em("oslo city", ["oslo", "bergen"]) == 0.0
+    assert gym.f1("oslo city", ["oslo"]) == 2 * (1 / 2 * 1) / (1 / 2 + 1)  # p=1/2 r=1 -> 2/3
+    assert gym.f1("new york city", ["bergen", "york city"]) == 2 * (2 / 3) * 1 / (2 / 3 + 1)  # max over aliases -> 0.8
+    assert gym.f1("x", "x") == 1.0  # a bare str gold is one alias
 
 
 def test_empty_answer_never_matches():
     for pred in ["", "   ", "!!", "\u2013", ". , ;"]:
-        assert g.em(pred, ["", "!", pred]) == 0.0
-        assert g.f1(pred, ["", "!", pred]) == 0.0
-    assert g.score_answers(" ; ", [[""], ["?"]])["em_count"] == 0
+        assert gym.em(pred, ["", "!", pred]) == 0.0
+        assert gym.f1(pred, ["", "!", pred]) == 0.0
+    assert gym.score_answers(" ; ", [[""], ["?"]])["em_count"] == 0
 
 
 def test_article_only_answers_keep_their_text():
     # dropping the articles emptied these, so they could never score (issue #13, case 1)
-    assert (g.em("A", "A"), g.f1("A", "A"), g.em("a.", "A")) == (1.0, 1.0, 1.0)
-    assert g.normalize_answer("The") == "the" and g.em("the", "a") == 0.0
-    assert g.em("the Beatles", "Beatles") == 1.0  # articles beside other words are still dropped
+    assert (gym.em("A", "A"), gym.f1("A", "A"), gym.em("a.", "A")) == (1.0, 1.0, 1.0)
+    assert gym.normalize_answer("The") == "the" and gym.em("the", "a") == 0.0
+    assert gym.em("the Beatles", "Beatles") == 1.0  # articles beside other words are still dropped
 
 
 def test_case_folding_not_lower_casing():
     # str.lower keeps "ß" (issue #13, case 2)
-    assert g.em("STRASSE", "Stra\u00dfe") == 1.0 and g.em("WEISS", "wei\u00df") == 1.0
-    assert g.em("\u00c9cole", "e\u0301cole") == 1.0  # NFKC composes the accent first
+    assert gym.em("STRASSE", "Stra\u00dfe") == 1.0 and gym.em("WEISS", "wei\u00df") == 1.0
+    assert gym.em("\u00c9cole", "e\u0301cole") == 1.0  # NFKC composes the accent first
 
 
 def test_numbers_keep_their_identity():
@@ -57,29 +58,29 @@ def test_numbers_keep_their_identity():
                                ("$105 million", "$10.5 million", 0, 0.5), ("3.14", "314", 0, 0),
                                ("5", "-5", 0, 0), ("\u22125", "-5", 1, 1), ("\u20135", "-5", 1, 1),
                                ("9984", "9,984", 1, 1), ("1,000,000.5", "1000000.5", 1, 1), (".5", "5", 0, 0)]:
-        assert (g.em(pred, gold), g.f1(pred, gold)) == (em, f1), (pred, gold)
+        assert (gym.em(pred, gold), gym.f1(pred, gold)) == (em, f1), (pred, gold)
     # everything else is still SQuAD's: punctuation at word ends, articles, a sentence-final period
-    assert g.em("Paris.", "paris") == g.em("(-5)", "-5") == g.em("5.", "5") == 1.0
-    assert g.em("It is 5.", "5") == 0.0 and g.f1("It is 5.", "5") == 0.5
-    assert g.normalize_answer("COVID-19, 1990\u20131995") == "covid19 19901995"  # a dash after a word is no sign
+    assert gym.em("Paris.", "paris") == gym.em("(-5)", "-5") == gym.em("5.", "5") == 1.0
+    assert gym.em("It is 5.", "5") == 0.0 and gym.f1("It is 5.", "5") == 0.5
+    assert gym.normalize_answer("COVID-19, 1990\u20131995") == "covid19 19901995"  # a dash after a word is no sign
 
 
 def test_score_answers_multi_objective():
     golds = [["oslo"], ["ada", "ada lovelace"], ["moonfall"]]
-    s = g.score_answers("Oslo ; Ada Lovelace ; ironbay", golds)
+    s = gym.score_answers("Oslo ; Ada Lovelace ; ironbay", golds)
     assert s["em_count"] == 2 and s["k"] == 3 and abs(s["em"] - 2 / 3) < 1e-12
     assert abs(s["f1"] - 2 / 3) < 1e-12
-    s = g.score_answers("oslo", golds)  # missing parts score 0
+    s = gym.score_answers("oslo", golds)  # missing parts score 0
     assert s["em_count"] == 1 and abs(s["em"] - 1 / 3) < 1e-12
-    s = g.score_answers("bergen ; oslo ; ada ; moonfall", golds)  # position-aligned: no hedging
+    s = gym.score_answers("bergen ; oslo ; ada ; moonfall", golds)  # position-aligned: no hedging
     assert s["em_count"] == 0
-    s = g.score_answers("new york", [["new york city"], ["paris"]])
+    s = gym.score_answers("new york", [["new york city"], ["paris"]])
     assert s["em_count"] == 0 and abs(s["f1"] - (0.8 / 2)) < 1e-12
-    assert g.score_answers("oslo", ["oslo", "christiania"])["em_count"] == 1  # flat list = one objective
+    assert gym.score_answers("oslo", ["oslo", "christiania"])["em_count"] == 1  # flat list = one objective
 
 
 def test_score_answers_uses_the_same_normaliser():
-    s = g.score_answers("A ; STRASSE ; \u22125 ; 10.8", [["a"], ["stra\u00dfe"], ["-5"], ["108"]])
+    s = gym.score_answers("A ; STRASSE ; \u22125 ; 10.8", [["a"], ["stra\u00dfe"], ["-5"], ["108"]])
     assert s["em_count"] == 3 and s["f1"] == 0.75
 
 # -----------------------------------------------------------------------------
@@ -90,10 +91,10 @@ A = "<mem> oslo </mem> <answer> oslo </answer>"
 
 
 def test_valid_episodes_pass():
-    assert g.validate_format([A]) == (True, "ok")
-    assert g.validate_format([S, S, A]) == (True, "ok")
-    assert g.validate_format(["<mem>a</mem><think>b</think><answer>c</answer>"], require_think=True)[0]
-    assert g.validate_format(["\n<mem>\nx\n</mem>\n<think>y</think>\n<search>q</search>\n", A])[0]
+    assert gym.validate_format([A]) == (True, "ok")
+    assert gym.validate_format([S, S, A]) == (True, "ok")
+    assert gym.validate_format(["<mem>a</mem><think>b</think><answer>c</answer>"], require_think=True)[0]
+    assert gym.validate_format(["\n<mem>\nx\n</mem>\n<think>y</think>\n<search>q</search>\n", A])[0]
 
 
 def test_invalid_formats_fail():
@@ -118,28 +119,28 @@ def test_invalid_formats_fail():
         "no turns": [],
     }
     for name, turns in bad.items():
-        ok, reason = g.validate_format(turns)
+        ok, reason = gym.validate_format(turns)
         assert not ok and reason != "ok", name
-    assert not g.validate_format([A], require_think=True)[0]
+    assert not gym.validate_format([A], require_think=True)[0]
 
 
 def test_extract_answer_from_own_turn_only():
-    assert g.extract_answer("<mem> x </mem> <answer> oslo ; ada </answer>") == "oslo ; ada"
-    assert g.extract_answer("<answer> a </answer> <answer> b </answer>") is None
-    assert g.extract_answer("<mem> x </mem> <search> q </search>") is None
-    assert g.extract_answer("<answer> a <answer> b </answer>") is None
+    assert gym.extract_answer("<mem> x </mem> <answer> oslo ; ada </answer>") == "oslo ; ada"
+    assert gym.extract_answer("<answer> a </answer> <answer> b </answer>") is None
+    assert gym.extract_answer("<mem> x </mem> <search> q </search>") is None
+    assert gym.extract_answer("<answer> a <answer> b </answer>") is None
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.sampled_from(list("<>/ ab;\n\u2013\u00e9") + [f"<{t}>" for t in g.TAGS] + [f"</{t}>" for t in g.TAGS]),
+@given(st.lists(st.lists(st.sampled_from(list("<>/ ab;\n\u2013\u00e9") + [f"<{t}>" for t in gym.TAGS] + [f"</{t}>" for t in gym.TAGS]),
                          max_size=30).map("".join) | st.text(max_size=60), max_size=4))
 def test_arbitrary_text_never_raises(texts):
-    assert isinstance(g.validate_format(texts)[0], bool)
-    assert isinstance(g.validate_format(texts, require_think=True)[0], bool)
+    assert isinstance(gym.validate_format(texts)[0], bool)
+    assert isinstance(gym.validate_format(texts, require_think=True)[0], bool)
     for t in texts:
-        g.extract_answer(t), g.extract_mem(t), g.normalize_answer(t)
-        assert 0.0 <= g.f1(t, [t, "x"]) <= 1.0
-        assert 0 <= g.score_answers(t, [["a"], [t]])["em_count"] <= 2
+        gym.extract_answer(t), gym.extract_mem(t), gym.normalize_answer(t)
+        assert 0.0 <= gym.f1(t, [t, "x"]) <= 1.0
+        assert 0 <= gym.score_answers(t, [["a"], [t]])["em_count"] <= 2
     env = g.MemoryEnv()
     env.reset(g.make_tasks("train", 1)[0])
     for t in texts:
@@ -155,7 +156,7 @@ def test_arbitrary_text_never_raises(texts):
 def test_tag_soup_valid_iff_structure(words):
     # a single turn valid under the rules must look like mem [think] action; check the converse too
     text = " ".join(words)
-    ok, _ = g.validate_format([text])
+    ok, _ = gym.validate_format([text])
     if ok:
         s = text.split()
         assert s[0] == "<mem>" and s[-1] == "</answer>" and s.count("<answer>") == 1
@@ -197,7 +198,7 @@ def test_oracle_succeeds_with_only_folded_context():
             vocab = {w for x in g.memory_texts() for w in x.split()}
             assert all(set(a.split()) <= vocab for a in turns + obs)
             full = ["<mem> " + a for a in turns]
-            assert g.extract_answer(full[-1]) == " ".join(g.gold_answer_text(t).split()[1:-1])
+            assert gym.extract_answer(full[-1]) == " ".join(g.answer_text(t).split()[1:-1])
 
 
 def test_oracle_memory_keeps_the_root_of_the_pending_objective():
@@ -259,9 +260,9 @@ def test_baselines_are_weak():
     assert sum(g.play(t, pol)[3]["success"] for t in ts) < 10
 
 
-def test_gold_answer_text_format():
+def test_answer_text_format():
     t = g.MemoryTask("x", "q1 ; q2", [["oslo"], ["ada"]], {}, [2, 2])
-    assert g.gold_answer_text(t) == "<answer> oslo ; ada </answer>"
+    assert g.answer_text(t) == "<answer> oslo ; ada </answer>"
 
 
 # -----------------------------------------------------------------------------
@@ -282,18 +283,13 @@ def test_cut_turn_is_malformed_whatever_its_text():
     assert not done and r == 0.0 and info["n_invalid"] == 1
 
 
-def _mem_tok():
-    from gym import build_tokenizer
-    return build_tokenizer(g.memory_texts())
-
-
-MEM_TOK = _mem_tok()
+MEM_TOK = gym.build_tokenizer(g.memory_texts())
 MEM_STOPS = [MEM_TOK.stoi["</search>"], MEM_TOK.stoi["</answer>"]]
 MEM_TASK = g.make_tasks("train", 1, seed=3, n_objectives=(1, 1), hops=(2, 2))[0]
 _K = next(iter(MEM_TASK.facts))
-MEM_TURNS = [MEM_TOK.encode(s) for s in (f"a </mem> <search> {_K} </search>", "a </mem> <think> b </think> <search> q </search>",
-                                         f"a </mem> <answer> {MEM_TASK.golds[0][0]} </answer>", "a ; b </mem> <answer> c </answer>",
-                                         f"a </mem> <search> {_K} </search> <answer> b </answer>")]
+MEM_TURNS = [MEM_TOK.encode(s) for s in (f"ada </mem> <search> {_K} </search>", "ada </mem> <think> bo </think> <search> of </search>",
+                                         f"ada </mem> <answer> {MEM_TASK.golds[0][0]} </answer>", "ada ; bo </mem> <answer> cyd </answer>",
+                                         f"ada </mem> <search> {_K} </search> <answer> bo </answer>")]
 WORDS = st.lists(st.sampled_from(sorted(set(i for s in MEM_TURNS for i in s)) + [MEM_TOK.stoi["<nl>"], MEM_TOK.stoi["<mem>"]]),
                  max_size=8)
 

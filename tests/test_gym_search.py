@@ -5,7 +5,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 import pytest
 
-import gym_search as gs
+from gyms import searchqa as gs
 
 SEARCH = '\nnothing yet\n</mem>\n<think>\nfind the actress\n</think>\n<search>Corliss Archer Kiss and Tell</search>'
 ANSWER = '\nShirley Temple was Chief of Protocol\n</mem>\n<think>\ndone\n</think>\n<answer>{}</answer>'
@@ -53,7 +53,7 @@ def test_one_character_words_are_searchable():
         ['malcolm', 'x', 'plan', '9', 'vitamin', 'a']]               # stop words of two or more letters only
 
 
-def test_env_scores_answers_like_gym_memory(tmp_path):
+def test_env_scores_answers_like_the_memory_gym(tmp_path):
     corpus = tmp_path / 'docs.jsonl'
     corpus.write_text('\n'.join(json.dumps({'text': d}) for d in MINI))
     env = gs.SearchQAEnv(corpus=corpus)
@@ -240,8 +240,8 @@ def test_cut_turn_is_malformed_whatever_its_text(task):
 def test_rollout_runs_no_search_for_a_turn_without_its_stop_token(task, end):
     # through rollout_batch with the real Qwen tokenizer: without <|im_end|> the turn is 'length'
     import hf
-    from rollout import chat_format, rollout_batch
-    fmt = chat_format(hf.qwen_tokenizer(), memory=True)
+    from rollout import rollout_batch
+    fmt = hf.chat_format(hf.qwen_tokenizer(), memory=True)
     seen = []
 
     def policy(ep):

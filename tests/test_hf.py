@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf
-from model import sequence_log_probs
+from model import QWEN3_VOCAB_SIZE, SMOLLM2_GGUF, load_hf_model, sequence_log_probs, smollm2_gguf_path, tiny_qwen3
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def segments(tok, ids, owner):
 
 def test_qwen_ids(tok):
     assert tok.encode('Hello world', add_special_tokens=False) == [9707, 1879]
-    assert len(tok) == hf.QWEN3_VOCAB_SIZE == 151669
+    assert len(tok) == QWEN3_VOCAB_SIZE == 151669
     names = {151643: '<|endoftext|>', 151644: '<|im_start|>', 151645: '<|im_end|>', 151657: '<tool_call>',
              151658: '</tool_call>', 151665: '<tool_response>', 151666: '</tool_response>',
              151667: '<think>', 151668: '</think>'}
@@ -190,7 +190,7 @@ def test_unlocatable_content_raises(tok):
 
 @pytest.fixture(scope='module')
 def tiny():
-    return hf.tiny_qwen3(seed=0)
+    return tiny_qwen3(seed=0)
 
 
 def test_tiny_qwen3(tiny):
@@ -198,7 +198,7 @@ def test_tiny_qwen3(tiny):
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (151669, 64, 2, 4, 2)
     assert c.eos_token_id == 151645 and tiny.dtype == torch.float32 and not tiny.training
     state = torch.get_rng_state()
-    again = hf.tiny_qwen3(seed=0)
+    again = tiny_qwen3(seed=0)
     assert torch.equal(state, torch.get_rng_state())   # global RNG untouched
     assert all(torch.equal(a, b) for a, b in zip(tiny.parameters(), again.parameters()))
     x = torch.tensor([[151644, 872, 198, 9707, 1879]])
@@ -253,27 +253,27 @@ def test_chunked_logprobs_gradients(tiny):
 
 
 def test_smollm2_gguf_is_found():
-    folder, name = hf.smollm2_gguf_path()
-    assert name == hf.SMOLLM2_GGUF and (folder / name).is_file()
+    folder, name = smollm2_gguf_path()
+    assert name == SMOLLM2_GGUF and (folder / name).is_file()
 
 
 @pytest.mark.slow
 def test_smollm2():
     """The shipped gguf loads offline; eos = pad = <|im_end|> = 2; our tool template replaces ChatML."""
     from transformers import AutoTokenizer
-    folder, name = hf.smollm2_gguf_path()
+    folder, name = smollm2_gguf_path()
     raw = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     assert not hf.has_tool_template(raw)
-    model, tok = hf.load_hf_policy('smollm2')
+    policy, tok = load_hf_model('smollm2'), hf.load_tokenizer('smollm2')
     assert tok.eos_token_id == tok.pad_token_id == 2 and hf.stop_ids(tok) == [2]
     assert hf.has_tool_template(tok)
     p, _ = hf.prompt_ids(tok, None, 'What is the capital of France?')
     x = torch.tensor([p])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
-        got = sequence_log_probs(model, out)
+        out = policy.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
+        got = sequence_log_probs(policy, out)
     assert 'Paris' in tok.decode(out[0, len(p):])
-    assert (got[0] - full_reference(model, out[0], 1.0)).abs().max() <= 1e-5
+    assert (got[0] - full_reference(policy, out[0], 1.0)).abs().max() <= 1e-5
 
 
 def test_span_through(tok):

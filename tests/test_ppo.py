@@ -1,15 +1,18 @@
 """The PPO update: ratio 1 before the first step, exact normalisation across micro-batches, losses."""
 import copy
+import math
 import random
 
+import pytest
 import torch
 
-import gym_memory as gm
 from advantage import grpo_advantage, token_advantages
-from gym import build_tokenizer
+from gym import build_tokenizer, word_format
+from gyms import memory as gm
 from model import TinyAgent
-from rollout import collate, rollout_batch, word_format
-from train import config, kl_penalty, loss_weights, micro_batches, ppo_update
+from rollout import collate, rollout_batch
+import train
+from train import config, kl_penalty, loss_weights, micro_batches, policy_loss, ppo_update
 
 
 def setup(keep=1, n=8, group=4, seed=0):
@@ -43,7 +46,7 @@ def grads_after(model, batch, adv, cfg, budget, loss_agg):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves weights, we read gradients
     ppo_update(model, opt, batch, adv, None, dict(cfg, mini_batches=1, max_tokens_per_microbatch=budget,
                                                   loss_agg=loss_agg, grad_clip=1e9), random.Random(0))
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
 def test_minibatch_gradient_does_not_depend_on_microbatch_split():
@@ -60,20 +63,20 @@ def test_minibatch_gradient_does_not_depend_on_microbatch_split():
 def test_loss_weights_hand_computed():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0.0]])
     rows = torch.tensor([0, 1, 1])  # episode 1 has two rows (folded turns): 5 policy tokens
-    w = loss_weights(mask, rows, 'token-mean', 2, 10)
+    w = loss_weights(mask, rows, 'token-mean', 10)
     assert torch.allclose(w, mask / 7)
-    w = loss_weights(mask, rows, 'seq-mean', 2, 10)
+    w = loss_weights(mask, rows, 'seq-mean', 10)
     assert torch.allclose(w[0], mask[0] / (2 * 2)) and torch.allclose(w[1:], mask[1:] / (5 * 2))
     assert torch.allclose(w.sum(), torch.tensor(1.0))  # each episode weighs 1/2
-    w = loss_weights(mask, rows, 'drgrpo', 2, 10)
+    w = loss_weights(mask, rows, 'drgrpo', 10)
     assert torch.allclose(w, mask / 20)
 
 
 def test_kl_estimators_sign_and_values():
     logp, ref = torch.tensor([-1.0, -2.0, -50.0]), torch.tensor([-1.5, -1.0, 0.0])
     lr = logp - ref
-    assert torch.allclose(kl_penalty(logp, ref, 'k1'), lr.clamp(-20, 20))
-    assert torch.allclose(kl_penalty(logp, ref, 'k2'), 0.5 * lr.clamp(-20, 20) ** 2)
+    assert torch.allclose(kl_penalty(logp, ref, 'k1'), lr.clamp(-10, 10))
+    assert torch.allclose(kl_penalty(logp, ref, 'k2'), (0.5 * lr ** 2).clamp(max=10))
     k3 = kl_penalty(logp, ref, 'k3')
     assert torch.isfinite(k3).all() and (k3 >= 0).all()  # clamped: exp(50) would overflow float32
     assert torch.allclose(k3[:2], torch.exp(-lr[:2]) + lr[:2] - 1)
@@ -98,3 +101,93 @@ def test_non_finite_loss_skips_the_optimizer_step():
     m = ppo_update(model, opt, batch, adv, None, dict(cfg, mini_batches=1), random.Random(0))
     assert m['bad_steps'] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing reached the weights
+
+
+def test_aggregations_count_only_episodes_with_trained_tokens():
+    """Two sequences with per-token losses [1, 3] and [5, 7], the second fully masked (invalid):
+    every aggregation divides by what it trains. seq-mean = 2.0 (it was 1.0: the invalid sequence
+    was counted), token-mean = 2.0, drgrpo = (1 + 3) / (max_episode_tokens 4 x 1 episode) = 1.0."""
+    losses = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    rows = torch.tensor([0, 1])
+    assert float((losses * loss_weights(mask, rows, 'seq-mean', 4)).sum()) == 2.0
+    assert float((losses * loss_weights(mask, rows, 'token-mean', 4)).sum()) == 2.0
+    assert float((losses * loss_weights(mask, rows, 'drgrpo', 4)).sum()) == 1.0
+    for agg in ('seq-mean', 'token-mean', 'drgrpo'):  # nothing trained: weights 0, no division by 0
+        assert torch.equal(loss_weights(torch.zeros(2, 2), rows, agg, 4), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize('kl_type', ['k1', 'k2', 'k3'])
+def test_kl_estimate_and_its_gradient_are_bounded(kl_type):
+    """kl_penalty at log-ratios -30, -10, 0, 10, 30: the value is bounded by KL_MAX = 10 and no token's
+    gradient exceeds 12.6 (k3's gradient at -10 was -2.2e4, near -20 -4.9e8, before the bound)."""
+    log_ratio = torch.tensor([-30.0, -10.0, 0.0, 10.0, 30.0])
+    logp = log_ratio.clone().requires_grad_(True)
+    kl = kl_penalty(logp, torch.zeros(5), kl_type)
+    kl.sum().backward()
+    exact = {'k1': log_ratio, 'k2': 0.5 * log_ratio ** 2, 'k3': torch.exp(-log_ratio) + log_ratio - 1}[kl_type]
+    assert torch.allclose(kl.detach(), exact.clamp(-10, 10))
+    assert logp.grad.abs().max() <= 12.6
+    if kl_type == 'k3':
+        assert kl.detach().tolist()[:3] == [10.0, 10.0, 0.0] and kl[4] == 10
+        assert abs(float(kl[3]) - (math.exp(-10) + 9)) < 1e-5
+        assert logp.grad.tolist()[:3] == [0.0, 0.0, 0.0] and logp.grad[4] == 0
+        assert abs(float(logp.grad[3]) - (1 - math.exp(-10))) < 1e-6
+    grid = torch.linspace(-40, 40, 8001, requires_grad=True)  # the bound holds everywhere, not only at 5 points
+    kl_penalty(grid, torch.zeros(8001), kl_type).sum().backward()
+    assert grid.grad.abs().max() <= 12.6
+
+
+@pytest.mark.parametrize('a', [0.0, 1.0, -1.0])
+def test_one_bad_old_logprob_costs_nothing(a):
+    """sample_logp = -100 on one policy token (its current log-prob about -2): the log-ratio is
+    clamped before exp, so the loss stays finite, that token has zero gradient, no step is skipped
+    (it was bad_steps 1), and the update equals the clean batch's, where that token has its true
+    old log-prob and advantage 0."""
+    model, batch, adv, cfg = setup(keep='all', n=8)
+    r, j = [int(x) for x in torch.nonzero(batch['action_mask'])[0]]
+    clean_adv, bad_adv = adv.clone(), adv.clone()
+    clean_adv[r, j], bad_adv[r, j] = 0.0, a
+    bad = dict(batch, sample_logp=batch['sample_logp'].clone())
+    bad['sample_logp'][r, j] = -100.0
+    g_clean = grads_after(model, batch, clean_adv, cfg, 10 ** 9, 'token-mean')
+    g_bad = grads_after(model, bad, bad_adv, cfg, 10 ** 9, 'token-mean')
+    assert torch.isfinite(g_bad).all() and torch.allclose(g_bad, g_clean, atol=1e-7)
+    m_model = copy.deepcopy(model)
+    m = ppo_update(m_model, torch.optim.AdamW(m_model.parameters(), lr=1e-2), bad, bad_adv, None,
+                   dict(cfg, mini_batches=1), random.Random(0))
+    assert m['bad_steps'] == 0 and m['log_ratio_clamped'] == 1 and math.isfinite(m['loss'])
+
+
+def test_policy_loss_hand_computed():
+    """Two tokens: ratio e^0.5 with advantage +1 is clipped at 1.28, ratio e^-0.5 with advantage -1
+    at 0.8; token-mean weights 1/2; kl_coef 0.1 with k1 against a reference 0.25 below."""
+    cfg = dict(config, clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_type='k1')
+    old = torch.tensor([[-1.0, -1.0]])
+    logp = torch.tensor([[-0.5, -1.5]], requires_grad=True)
+    advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    loss, st = policy_loss(logp, old, advantages, mask, mask / 2, cfg, ref_logp=logp.detach() - 0.25)
+    assert abs(float(loss) - ((-1.28 + 0.8) / 2 + 0.1 * 0.25)) < 1e-6
+    assert st['clipped'].tolist() == [[True, True]] and not st['clamped'].any()
+
+
+@pytest.mark.parametrize('n_valid', [1, 0])
+def test_microbatch_without_trainable_tokens_adds_zero(n_valid):
+    """One valid and one invalid episode with one row per micro-batch (so one micro-batch holds only
+    the invalid row), and both invalid: the step goes on (it raised 'element 0 of tensors does not
+    require grad'); the invalid row adds loss 0 and gradient 0."""
+    model, batch, adv, cfg = setup(keep='all', n=2, group=2)
+    batch['valid'][n_valid:] = False
+    L = batch['ids'].shape[1]
+    cfg = dict(cfg, mini_batches=1)
+    g = grads_after(model, batch, adv, cfg, L, 'token-mean')  # budget L: one row per micro-batch
+    if n_valid:
+        first = {k: v[:1] for k, v in batch.items()}
+        g1 = grads_after(model, first, adv[:1], cfg, L, 'token-mean')
+        assert torch.allclose(g, g1, atol=1e-7) and g.abs().sum() > 0
+    else:
+        assert g.abs().sum() == 0
+    m_model = copy.deepcopy(model)
+    m = ppo_update(m_model, torch.optim.AdamW(m_model.parameters(), lr=1e-2), batch, adv, None,
+                   dict(cfg, max_tokens_per_microbatch=L), random.Random(0))
+    assert m['bad_steps'] == 0 and (n_valid or m['loss'] == 0.0)

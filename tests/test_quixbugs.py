@@ -1,4 +1,4 @@
-"""gym_quixbugs.py: data loading, splits, the 31 programs through the sandbox (buggy fails, fixed
+"""gyms/quixbugs.py: data loading, splits, the 31 programs through the sandbox (buggy fails, fixed
 passes, infinite loops end by timeout), scripted episodes, tool-call parsing, hostile edits."""
 
 import hashlib
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import gym_quixbugs as G
+from gyms import quixbugs as G
 
 TASKS = G.make_tasks("all")
 BY_NAME = {t.name: t for t in TASKS}
@@ -251,7 +251,8 @@ def qwen():
 def test_turn_cut_at_max_response_tokens_is_not_run(qwen, budget):
     # issue #13 case 7: the read call is 15 Qwen tokens with its <|im_end|>; cut at 13 it has neither
     # </tool_call> nor a stop token, yet parse_tool_call tolerates the missing tag and read ran
-    from rollout import chat_format, rollout_batch
+    from hf import chat_format
+    from rollout import rollout_batch
     fmt = chat_format(qwen, tools=G.tool_schemas())
     read = call("read") + "<|im_end|>"
     short = '<tool_call>{"name": "read"}</tool_call><|im_end|>'  # 9 tokens: always within the budget

@@ -1,6 +1,6 @@
 """Real models through our own rollout and trainer.
 
-A tiny randomly initialised Qwen3 (hf.tiny_qwen3) with the REAL Qwen3 tokenizer and chat template, on
+A tiny randomly initialised Qwen3 (model.tiny_qwen3) with the REAL Qwen3 tokenizer and chat template, on
 the SearchQA and QuixBugs gyms: owners and masks of sampled tool conversations, token-in/token-out
 (decode -> encode drift never reaches the stored ids), the template reproduced token for token,
 sampler/trainer log-prob gaps with padding, with and without folding, ratio 1 on the first PPO
@@ -21,14 +21,15 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 
-import gym_quixbugs as gq
-import gym_search as gs
 import hf
 import rollout
 import train
 from advantage import grpo_advantage, token_advantages
-from model import sequence_log_probs
-from rollout import OWNER, chat_format, collate, rollout_batch
+from gym import OWNER
+from gyms import quixbugs as gq, searchqa as gs
+from hf import chat_format
+from model import sequence_log_probs, tiny_qwen3
+from rollout import collate, rollout_batch
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +46,11 @@ def tok():
 
 @pytest.fixture(scope='module')
 def model():
-    """hf.tiny_qwen3 nudged to end its turns: every embedding row gets a shared direction u, and
+    """model.tiny_qwen3 nudged to end its turns: every embedding row gets a shared direction u, and
     <|im_end|>'s row much more of it. The embeddings are tied, so u shows up in every hidden state
     and <|im_end|> gets a higher logit (about one turn in ten tokens ends) while all other logits
     move together. Still an ordinary Qwen3ForCausalLM: sampler and trainer see the same weights."""
-    m = hf.tiny_qwen3(seed=0)
+    m = tiny_qwen3(seed=0)
     emb = m.get_input_embeddings().weight
     u = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
     u /= u.norm()
@@ -285,14 +286,14 @@ def test_ppo_first_minibatch_ratio_is_one_and_the_update_moves_the_policy(tok, m
 
 
 def test_greedy_evaluation_does_not_depend_on_batching(tok, model):
-    """evaluate.py's numbers: a greedy episode is the same alone or left-padded among others, and
+    """sample.py --eval's numbers: a greedy episode is the same alone or left-padded among others, and
     TT / PT / turns are what the trajectories hold."""
-    import evaluate
+    import sample
     fmt, _, tasks = searchqa_setup(tok, 3)
     gym_ = dict(fmt=fmt, eval_tasks=tasks, make_env=lambda: gs.SearchQAEnv(tok, max_turns=2, max_obs_tokens=32))
     cfg = dict(CFG, max_turns=2, max_response_tokens=12, keep_tool_results=1)
-    one, t1 = evaluate.evaluate(model, gym_, cfg, batch=1)
-    three, t3 = evaluate.evaluate(model, gym_, cfg, batch=3)
+    one, t1 = sample.evaluate(model, gym_, cfg, batch=1)
+    three, t3 = sample.evaluate(model, gym_, cfg, batch=3)
     assert [t.ids.tolist() for t in t1] == [t.ids.tolist() for t in t3] and one == three
     assert one['episodes'] == 3 and one['turns_mean'] == sum(len(t.turns) for t in t1) / 3
     assert one['tt'] == sum(len(tr['context'][0]) + len(tr['response']) for t in t1 for tr in t.turns) / 3
@@ -334,8 +335,7 @@ def check_export(out_dir, reference, tok_ids=None):
 @pytest.mark.slow
 def test_train_tiny_qwen3_quixbugs_end_to_end_export_and_evaluate(tok, tmp_path, capsys):
     """config/tiny_qwen3_quixbugs.yaml: two RL steps of train.py on QuixBugs with tool schemas in the
-    system turn; the save_pretrained export reloads; evaluate.py reads the run's checkpoint."""
-    import evaluate
+    system turn; the save_pretrained export reloads; sample.py --eval reads the run's checkpoint."""
     import sample
     out = tmp_path / 'run'
     run_train(out, 'config/tiny_qwen3_quixbugs.yaml', '--threads=1')
@@ -345,7 +345,7 @@ def test_train_tiny_qwen3_quixbugs_end_to_end_export_and_evaluate(tok, tmp_path,
     assert policy == 'ckpt_000002.pt (step 2)' and cfg['gym'] == 'quixbugs'
     check_export(out, trained, lambda msgs: hf.render_conversation(tok, msgs, gq.tool_schemas(),
                                                                      add_generation_prompt=True)[0])
-    res = evaluate.main([f'--out_dir={out}', '--threads=1', '--eval_tasks=1', '--show=1'])
+    res = sample.main(['--eval', f'--out_dir={out}', '--threads=1', '--eval_tasks=1', '--show=1'])
     assert res['policy'] == policy and res['episodes'] == 1 and res['success_rate'] == 0.0
     assert '"name": "submit"' in capsys.readouterr().out   # the printed prompt holds the tool schemas
 

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-import gym_memory as gm
-from gym import build_tokenizer
+from gym import OWNER, build_tokenizer, word_format
+from gyms import memory as gm
 from model import TinyAgent, sequence_log_probs
-from rollout import OWNER, answer_pieces, collate, context_of, generate, memory_rewards, rollout_batch, word_format
+from rollout import answer_pieces, collate, context_of, generate, memory_rewards, rollout_batch
 
 CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1, temperature=1.0, device='cpu')
 
@@ -103,8 +103,7 @@ def test_generate_temperature_logp_is_the_tempered_distribution():
 def test_turn3_context_is_prompt_last_mem_last_obs_prefix(mem_setup):
     tok, _, fmt = mem_setup
     task = gm.make_tasks('train', 1, seed=5, n_objectives=(1, 1), hops=(3, 3))[0]
-    from train import folded_policy
-    t = rollout_batch([folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
+    t = rollout_batch([gm.folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
     assert len(t.turns) >= 3
     resp2 = t.turns[1]['response']
     mem2 = resp2[:resp2.index(tok.stoi['</mem>']) + 1]  # turn 2's memory as sampled, through </mem>
@@ -139,7 +138,7 @@ def test_env_that_raises_or_nan_reward_marks_episode_invalid():
 
     class NaNReward(CountEnv):
         def step(self, action, finish='stop'):
-            return '', float('nan'), True, {}
+            return '', float('nan'), True, dict(stop='submit', success=False)
     tok = count_tok()
     pol = [lambda ep: '<call> read </call>'] * 2
     t = rollout_batch(pol, word_format(tok), [Broken(), NaNReward()], [0, 1], dict(CFG, keep_tool_results='all'))
@@ -150,9 +149,8 @@ def test_env_that_raises_or_nan_reward_marks_episode_invalid():
 def test_memory_reward_scores_answer_tokens_only_in_the_two_contexts(mem_setup):
     tok, model, fmt = mem_setup
     task = gm.make_tasks('train', 1, seed=7, n_objectives=(1, 1), hops=(2, 2))[0]
-    from train import folded_policy
-    t = rollout_batch([folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
-    gold = gm.gold_answer_text(task)
+    t = rollout_batch([gm.folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
+    gold = gm.answer_text(task)
     mem_r, valid = memory_rewards(model, [t], fmt, [gold], CFG)
     assert not valid[0, 0] and valid[0, 1:len(t.turns)].all()
     ans, amask = answer_pieces(fmt, gold)

@@ -7,11 +7,13 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-import gym
+import report
 import sample
 import train
+from gym import OWNER, build_tokenizer, load_gym, word_format
+from gyms import bugfix as gb
 from model import TinyAgent
-from rollout import OWNER, collate, rollout_batch, word_format
+from rollout import collate, rollout_batch
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
 
@@ -74,16 +76,16 @@ def check_cells(cells, traj, tok):
 
 @pytest.fixture(scope='module')
 def bugfix():
-    tasks = gym.make_tasks('heldout')[:3]
-    tok = gym.build_tokenizer(gym.bugfix_texts(tasks))
+    tasks = gb.make_tasks('heldout')[:3]
+    tok = build_tokenizer(gb.bugfix_texts(tasks))
     fmt = word_format(tok)
     cfg = dict(max_turns=8, max_len=256, max_response_tokens=6, keep_tool_results='all', temperature=1.0)
-    policies = [gym.scripted_policy(kind, 0) for kind in ('tester', 'oracle', 'random')]
+    policies = [gb.scripted_policy(kind, 0) for kind in ('tester', 'oracle', 'random')]
     trajs = rollout_batch([lambda ep, p=p: p(ep.texts, ep.task) for p in policies], fmt,
-                          [gym.BugFixEnv() for _ in tasks], tasks, cfg)
+                          [gb.BugFixEnv() for _ in tasks], tasks, cfg)
     torch.manual_seed(0)  # an untrained model: malformed calls, specials written by the policy
     model = TinyAgent(tok.vocab_size, 1, 2, 32, 256)
-    trajs += rollout_batch(model, fmt, [gym.BugFixEnv()], tasks[:1], cfg,
+    trajs += rollout_batch(model, fmt, [gb.BugFixEnv()], tasks[:1], cfg,
                            generator=torch.Generator().manual_seed(0))
     return tok, trajs
 
@@ -128,7 +130,7 @@ def test_print_episode_turn_by_turn(bugfix, capsys):
 def memory():
     cfg = train.load_config(['--gym=memory', '--keep_tool_results=1', '--max_response_tokens=24', '--max_len=384',
                              '--train_tasks=16', '--eval_tasks=8', '--out_dir=unused'])
-    g = train.setup_gym(cfg)
+    g = load_gym(cfg)
     tasks = g['eval_tasks'][:2]
     oracle = rollout_batch([g['warm_policy'](random.Random(0)) for _ in tasks], g['fmt'],
                            [g['make_env']() for _ in tasks], tasks, cfg)
@@ -170,7 +172,7 @@ def test_episode_advantages_map_rows_back_to_full_sequence(memory):
     cfg, g, _, _, sampled = memory
     batch = collate(sampled, g['fmt'].pad_id)
     assert len(batch['ids']) > len(sampled)  # really folded
-    adv = sample.episode_advantages(sampled, batch, batch['sample_logp'])
+    adv = report.episode_advantages(sampled, batch, batch['sample_logp'])
     for a, t in zip(adv, sampled):
         assert torch.equal(a, t.sample_logp * t.action_mask)
 
@@ -188,13 +190,13 @@ def test_html_with_advantages(memory):
 def test_cli_checkpoint_and_rollout_dump(memory, tmp_path, capsys):
     cfg, g, model, _, sampled = memory
     cfg = dict(cfg, out_dir=str(tmp_path), n_layer=1, n_head=2, n_embd=32)
-    train.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=7, config=cfg), str(tmp_path), 7, 1)
+    report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=7, config=cfg), str(tmp_path), 7, 1)
     html = tmp_path / 'ep.html'
     sample.main([f'--out_dir={tmp_path}', '--n=2', '--greedy', f'--html={html}'])
     out = capsys.readouterr().out
     assert 'ckpt_000007.pt (step 7)' in out and out.count('=== task') == 2 and html.exists()
     batch = collate(sampled, g['fmt'].pad_id)
-    dump = sample.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
+    dump = report.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
     sample.main([f'--metrics_rollout={dump}', f'--html={html}'])
     assert 'step 7, 3 episodes' in capsys.readouterr().out
     cells = parse(html.read_text()).episodes
@@ -221,7 +223,7 @@ def test_plot_metrics_writes_png(tmp_path):
     pytest.importorskip('matplotlib')
     write_metrics(tmp_path / 'metrics.jsonl')
     png = tmp_path / 'curves.png'
-    assert sample.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(png)) == str(png)
+    assert report.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(png)) == str(png)
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10_000
 
 
@@ -229,30 +231,31 @@ def test_plot_metrics_without_matplotlib(tmp_path, monkeypatch, capsys):
     write_metrics(tmp_path / 'metrics.jsonl')
     monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)  # import now raises ImportError
     monkeypatch.setattr(sample, '_NOTICES', set())
-    assert sample.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None
-    assert sample.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None  # next eval
+    assert report.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None
+    assert report.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None  # next eval
     assert capsys.readouterr().out.count('matplotlib is not installed') == 1 and not (tmp_path / 'c.png').exists()
 
 
 def test_run_summary_mentions_paths_and_best_score(tmp_path):
     write_metrics(tmp_path / 'metrics.jsonl')
     (tmp_path / 'ckpt_000010.pt').write_bytes(b'')
-    (tmp_path / sample.CURVES).write_bytes(b'')
-    s = sample.run_summary(str(tmp_path), dict(train.config, steps=10), 125.0)
+    (tmp_path / report.CURVES).write_bytes(b'')
+    s = report.run_summary(str(tmp_path), dict(train.config, steps=10), 125.0)
     assert f"{tmp_path / 'ckpt_000010.pt'}" in s and f"{tmp_path / 'metrics.jsonl'}" in s
-    assert f"{tmp_path / sample.CURVES}" in s and f"{tmp_path / sample.EPISODES}  (missing)" in s
+    assert f"{tmp_path / report.CURVES}" in s and f"--html={tmp_path / report.EPISODES}" in s
     assert 'steps        10 / 10' in s and '2m 5s' in s and '0.02M processed' in s
     assert 'eval_success_rate    0.400 at step 5' in s and 'eval_greedy_success  0.600 at step 10' in s
 
 
 def test_log_external_is_a_no_op_unless_asked(tmp_path):
-    sample.log_external(dict(train.config, out_dir=str(tmp_path)), dict(step=1, reward_mean=0.5), 1)
+    report.log_external(dict(train.config, out_dir=str(tmp_path)), dict(step=1, reward_mean=0.5), 1)
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize('script, args, needle', [
     ('sample.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
-    ('evaluate.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
+    ('sample.py', ['--eval', '--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
+    ('sample.py', ['--eval', '--samples=0', '--untrained'], '--samples must be >= 1, got 0'),
     ('sample.py', ['--metrics_rollout=/nonexistent/r.pt'], 'no rollout dump /nonexistent/r.pt'),
     ('sample.py', ['--metrics_rollout=README.md'], '--metrics_rollout=README.md is not a rollout dump'),
     ('sample.py', ['--curves=c.png', '--out_dir=/nonexistent/run', '--untrained'], '--curves: no metrics.jsonl'),

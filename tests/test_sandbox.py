@@ -1,4 +1,4 @@
-"""sandbox.py: normal runs, then hostile programs. Every hostile test first proves its limit on a
+"""gyms/sandbox.py: normal runs, then hostile programs. Every hostile test first proves its limit on a
 harmless version (bounded, with a deadline) before the real thing, so a broken limit cannot take the
 shared machine down."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import sandbox
+from gyms import sandbox
 
 LAYERS = sandbox.sandbox_layers()
 KERNEL_FS = any(x.startswith("landlock") for x in LAYERS)   # kernel-enforced file access

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from gym import load_gym
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ('step_time_s', 'tokens_per_s')
 SMALL = ['--gym=bugfix', '--train_variants=2', '--warmstart_episodes=16', '--warmstart_steps=10', '--batch_size=2', '--group_size=4',
@@ -93,7 +95,7 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
         rows.clear()
         cfg = T.load_config(['config/tiny_mem.yaml', f'--keep_tool_results={keep}', '--warmstart_episodes=6',
                              '--train_tasks=50', '--warmstart_steps=4', '--warmstart_batch_size=3', '--device=cpu'])
-        g = T.setup_gym(cfg)
+        g = load_gym(cfg)
         assert T.warm_start(T.load_policy(cfg, g['tok'].vocab_size), g, cfg, random.Random(0)) > 0
         rng = random.Random(0)  # replay warm_start's draws: 6 tasks, then 3 episodes per step
         tasks = [rng.choice(g['train_tasks']) for _ in range(6)]
@@ -116,3 +118,27 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     assert ks and set(ks) <= {1, 2, 3, 4, 5}
     for k in ks:
         assert 0 <= last[f'eval_em_k{k}'] <= 1 and last[f'eval_pt_k{k}'] <= last[f'eval_tt_k{k}']
+
+
+def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(tmp_path):
+    """A fresh run in an out_dir that holds checkpoints stops with one line and keeps them (it used to
+    delete them); --overwrite=True replaces them; the tiny vocabulary is saved in the checkpoint."""
+    train(tmp_path, '--steps=1', '--save_every=1')
+    ckpts = {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')}
+    p = train(tmp_path, '--steps=1', check=False)
+    assert p.returncode == 2 and p.stderr.count('\n') == 1
+    assert 'holds 1 checkpoint(s) of an earlier run: --resume=True continues it, --overwrite=True replaces it' in p.stderr
+    assert {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')} == ckpts
+    p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
+    assert 'overwrite: removing 1 checkpoint(s)' in p.stdout
+    state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
+    assert state['vocab'][:3] == ['<pad>', '<bos>', '<unk>'] and len(state['vocab']) > 100
+
+
+def test_progress_lines_in_a_log_file(tmp_path):
+    """stdout/stderr not a terminal: plain progress lines for the warm start and RL, and the step-0
+    evaluation line, so a log file shows where the run is."""
+    p = train(tmp_path, '--steps=2', '--log_every=1', '--save_every=0')
+    out = p.stdout
+    assert 'warm start 10/10' in out and 'RL 1/2' in out and 'RL 2/2' in out
+    assert 'step 0: held-out success' in out and out.index('step 0: held-out') < out.index('RL 1/2')

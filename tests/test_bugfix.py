@@ -5,16 +5,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gym
-import sandbox
+from gyms import bugfix, sandbox
 
-TRAIN, HELDOUT = gym.make_tasks('train'), gym.make_tasks('heldout')
+TRAIN, HELDOUT = bugfix.make_tasks('train'), bugfix.make_tasks('heldout')
 ALL = TRAIN + HELDOUT
-gym.precompute_results(ALL)
-TOK = gym.bugfix_tokenizer()
+bugfix.precompute_results(ALL)
+TOK = bugfix.bugfix_tokenizer()
 
 
 def episodes(kind, tasks, seeds):
-    return [gym.play(t, gym.scripted_policy(kind, s)) for t in tasks for s in seeds]
+    return [bugfix.play(t, bugfix.scripted_policy(kind, s)) for t in tasks for s in seeds]
 
 
 # -----------------------------------------------------------------------------
@@ -24,13 +24,15 @@ def episodes(kind, tasks, seeds):
 def test_specials_have_fixed_ids_and_round_trip():
     assert TOK.itos[:16] == gym.SPECIALS
     assert (TOK.pad_id, TOK.bos_id, TOK.unk_id, TOK.obs_id, TOK.obs_end_id, TOK.call_id, TOK.call_end_id) == tuple(range(7))
-    text = gym.compact(ALL[0].source)
+    text = bugfix.compact(ALL[0].source)
     assert TOK.decode(TOK.encode(text)) == text
-    assert TOK.encode('<call> edit swap_minmax </call>')[0] == 5 and TOK.encode('banana')[0] == TOK.unk_id
+    assert TOK.encode('<call> edit swap_minmax </call>')[0] == 5
+    with pytest.raises(ValueError, match="word 'banana' is not in the tiny vocabulary"):
+        TOK.encode('read banana')  # a closed vocabulary: an unknown word is a bug in the gym's texts
     assert TOK.vocab_size < 500
 
 
-@pytest.mark.parametrize('kind', sorted(gym.SCRIPTS))
+@pytest.mark.parametrize('kind', sorted(bugfix.SCRIPTS))
 def test_no_unk_in_any_observation_or_call(kind):
     seeds = range(3) if kind in ('random', 'warmstart', 'tester', 'any_edit') else [0]
     for ep in episodes(kind, ALL, seeds):
@@ -40,9 +42,9 @@ def test_no_unk_in_any_observation_or_call(kind):
 
 def test_observations_are_short():
     for t in ALL:
-        for src in gym.reachable_sources(t.source):
-            assert len(gym.read_observation(src).split()) <= 40
-            assert len(gym.report_tests(t, src).split()) <= 33
+        for src in bugfix.reachable_sources(t.source):
+            assert len(bugfix.read_observation(src).split()) <= 40
+            assert len(bugfix.report_tests(t, src).split()) <= 33
 
 
 # -----------------------------------------------------------------------------
@@ -52,52 +54,52 @@ def test_observations_are_short():
 def test_heldout_functions_never_in_train():
     train_names = {t.template for t in TRAIN}
     assert train_names.isdisjoint({t.template for t in HELDOUT}) and len({t.template for t in HELDOUT}) >= 6
-    codes = {tpl.code for tpl in gym.TEMPLATES if tpl.name in train_names}
-    assert not any(tpl.code in codes for tpl in gym.TEMPLATES if tpl.name in gym.HELDOUT)
+    codes = {tpl.code for tpl in bugfix.TEMPLATES if tpl.name in train_names}
+    assert not any(tpl.code in codes for tpl in bugfix.TEMPLATES if tpl.name in bugfix.HELDOUT)
 
 
-GENERATED = gym.generated_templates(30)
+GENERATED = bugfix.generated_templates(30)
 
 
 def test_generated_functions_are_valid_and_never_heldout():
-    assert gym.generated_templates(30) == GENERATED and gym.generated_templates(30, seed=1) != GENERATED
+    assert bugfix.generated_templates(30) == GENERATED and bugfix.generated_templates(30, seed=1) != GENERATED
     assert len({tpl.code for tpl in GENERATED}) == 30 and [t.name for t in GENERATED] == [f'gen{k}' for k in range(30)]
-    held = gym._heldout_forms()
+    held = bugfix._heldout_forms()
     assert len(held) >= 8 * 4  # every held-out function and its edited forms
     for tpl in GENERATED:
-        task = gym.make_task(tpl, 0, 0)
+        task = bugfix.make_task(tpl, 0, 0)
         assert task.source != task.fixed and len(task.hidden) == 6
-        assert len(gym._involutive_ops(task.fixed)) == 3
-        assert not {gym._renamed(x) for x in gym.reachable_sources(task.fixed)} & held
-        assert all(r is not None for r in gym.run_cases(task.fixed, task.hidden))   # runs on every case
-        assert not gym.all_pass(gym.check(task, task.source))                        # the bug shows in `test`
-        assert all(len(gym.read_observation(x).split()) <= 40 for x in gym.reachable_sources(task.source))
+        assert len(bugfix._involutive_ops(task.fixed)) == 3
+        assert not {bugfix._renamed(x) for x in bugfix.reachable_sources(task.fixed)} & held
+        assert all(r is not None for r in bugfix.run_cases(task.fixed, task.hidden))   # runs on every case
+        assert not bugfix.all_pass(bugfix.check(task, task.source))                        # the bug shows in `test`
+        assert all(len(bugfix.read_observation(x).split()) <= 40 for x in bugfix.reachable_sources(task.source))
     # the check above can fail: a held-out function's code is one of the forms it rejects
     clamp = next(t for t in HELDOUT if t.template == 'clamp')  # variant names, not the canonical ones
-    assert gym._renamed(clamp.source) in held and gym._renamed(clamp.fixed) in held
+    assert bugfix._renamed(clamp.source) in held and bugfix._renamed(clamp.fixed) in held
 
 
 def test_generated_functions_join_training_only():
-    train = gym.make_tasks('train', n_variants=2, n_generated=30)
+    train = bugfix.make_tasks('train', n_variants=2, n_generated=30)
     gen = [t for t in train if t.template.startswith('gen')]
-    assert len(gen) == 30 * min(2, gym.GEN_VARIANTS) and len(train) == len(gen) + len(gym.TEMPLATES) * 2 - 2 * len(gym.HELDOUT)
+    assert len(gen) == 30 * min(2, bugfix.GEN_VARIANTS) and len(train) == len(gen) + len(bugfix.TEMPLATES) * 2 - 2 * len(bugfix.HELDOUT)
     assert {t.template for t in gen} == {tpl.name for tpl in GENERATED}
-    assert all(gym.all_pass(gym.check(t, gym.apply_op(t.source, t.bug), hidden=True)) for t in gen)
-    assert gym.make_tasks('heldout', n_variants=2) == gym.make_tasks('heldout', n_variants=2)
-    assert not any(t.template.startswith('gen') for t in gym.make_tasks('all', n_variants=1))
-    # the tokenizer train.py builds covers every text of the scripted policies on them: no <unk>
-    tok = gym.build_tokenizer(gym.bugfix_texts(train + HELDOUT))
+    assert all(bugfix.all_pass(bugfix.check(t, bugfix.apply_op(t.source, t.bug), hidden=True)) for t in gen)
+    assert bugfix.make_tasks('heldout', n_variants=2) == bugfix.make_tasks('heldout', n_variants=2)
+    assert not any(t.template.startswith('gen') for t in bugfix.make_tasks('all', n_variants=1))
+    # the tokenizer bugfix.setup builds covers every text of the scripted policies on them: no <unk>
+    tok = gym.build_tokenizer(bugfix.bugfix_texts(train + HELDOUT))
     for kind in ('warmstart', 'tester', 'random', 'hacker', 'oracle'):
         for ep in episodes(kind, gen[:20], [0, 1]):
             assert all(tok.unk_id not in tok.encode(x) for x in [ep['prompt']] + ep['actions'] + ep['observations'])
 
 
 def test_tasks_deterministic_and_varied():
-    assert gym.make_tasks('train') == TRAIN and gym.make_tasks('train', seed=1) != TRAIN
+    assert bugfix.make_tasks('train') == TRAIN and bugfix.make_tasks('train', seed=1) != TRAIN
     for name in {t.template for t in ALL}:
         assert len({t.source for t in ALL if t.template == name}) >= 3  # names vary across variants
     with pytest.raises(ValueError):
-        gym.make_tasks('test')
+        bugfix.make_tasks('test')
 
 
 def test_training_sources_do_not_tell_the_repair():
@@ -105,61 +107,61 @@ def test_training_sources_do_not_tell_the_repair():
     differs from it solves every held-out-style (natural) task; on training tasks it must be no better
     than a coin, or RL learns that instead of reading the tests (what the prototype did)."""
     def canonical(t):
-        tpl = next(x for x in gym.TEMPLATES if x.name == t.template)
-        return gym.make_task(tpl, 0, int(t.id.split('/')[-1])).fixed
+        tpl = next(x for x in bugfix.TEMPLATES if x.name == t.template)
+        return bugfix.make_task(tpl, 0, int(t.id.split('/')[-1])).fixed
 
     def memoriser_success(tasks):
         wins = 0
         for t in tasks:
-            op = next((op for op in gym.EDIT_OPS if gym.apply_op(t.source, op) == canonical(t)), None)
-            wins += op is not None and gym.all_pass(gym.check(t, gym.apply_op(t.source, op), hidden=True))
+            op = next((op for op in bugfix.EDIT_OPS if bugfix.apply_op(t.source, op) == canonical(t)), None)
+            wins += op is not None and bugfix.all_pass(bugfix.check(t, bugfix.apply_op(t.source, op), hidden=True))
         return wins / len(tasks)
     assert memoriser_success(HELDOUT) == 1.0
     assert memoriser_success(TRAIN) <= 0.5
     for t in TRAIN:  # the wanted sibling is a working function: no case raises
-        assert all(r is not None for r in gym.run_cases(t.fixed, t.hidden))
+        assert all(r is not None for r in bugfix.run_cases(t.fixed, t.hidden))
     wants_template = sum(t.fixed == canonical(t) for t in TRAIN) / len(TRAIN)  # the rest want a sibling
     assert 0.05 <= wants_template <= 0.5
     # and the tests still decide: a test-driven policy can reach >= 0.95 on the training tasks
-    assert gym.reference_baselines(TRAIN)['tester'] >= 0.95
+    assert bugfix.reference_baselines(TRAIN)['tester'] >= 0.95
 
 
 def test_read_lists_the_applicable_edits_in_one_fixed_order():
     for t in ALL:
-        env = gym.BugFixEnv()
+        env = bugfix.BugFixEnv()
         env.reset(t)
         obs = env.step('<call> read </call>')[0]
-        listed = gym.listed_ops(obs)
-        assert listed == gym.applicable_ops(gym.compact(t.source)) and len(listed) >= 2
-        assert listed == [op for op in gym.EDIT_OPS if gym.apply_op(env.source, op) is not None]  # EDIT_OPS order
+        listed = bugfix.listed_ops(obs)
+        assert listed == bugfix.applicable_ops(bugfix.compact(t.source)) and len(listed) >= 2
+        assert listed == [op for op in bugfix.EDIT_OPS if bugfix.apply_op(env.source, op) is not None]  # EDIT_OPS order
         assert env.step('<call> read </call>')[0] == obs
     for ep in episodes('warmstart', ALL, [0]):  # the warm start copies the whole list, in its order
         edits = [a.split()[2] for a in ep['actions'] if a.split()[1] == 'edit']
-        assert edits == gym.listed_ops(ep['observations'][0])
+        assert edits == bugfix.listed_ops(ep['observations'][0])
         assert [a.split()[1] for a in ep['actions']].count('test') == len(edits)  # every edit tested
-    assert gym.listed_ops('ok') == []
+    assert bugfix.listed_ops('ok') == []
 
 
 def test_edits_deterministic_involutions_and_bug_op_repairs():
     kinds = {t.bug for t in ALL}
     assert len(kinds) >= 6
     for t in ALL:
-        assert gym.apply_op(t.source, t.bug) == t.fixed
-        for op in gym.EDIT_OPS:
-            new = gym.apply_op(t.source, op)
-            assert new == gym.apply_op(t.source, op)
-            assert new is None or gym.apply_op(new, op) == t.source
-        assert 2 <= len(gym.applicable_ops(gym.compact(t.source))) <= 3  # decoys, and tester fits the budget
+        assert bugfix.apply_op(t.source, t.bug) == t.fixed
+        for op in bugfix.EDIT_OPS:
+            new = bugfix.apply_op(t.source, op)
+            assert new == bugfix.apply_op(t.source, op)
+            assert new is None or bugfix.apply_op(new, op) == t.source
+        assert 2 <= len(bugfix.applicable_ops(bugfix.compact(t.source))) <= 3  # decoys, and tester fits the budget
 
 
 def test_hand_written_ops():
     src = 'def f ( a ) :\n    s = 0\n    for i in range ( a ) : s += i\n    return s'
-    assert gym.apply_op(src, 'fix_range_end') == 'def f ( a ) :\n    s = 0\n    for i in range ( a + 1 ) : s += i\n    return s'
-    assert gym.apply_op(src, 'fix_init').split('\n')[1] == '    s = 1'
-    assert gym.apply_op(src, 'fix_operator').split('\n')[2] == '    for i in range ( a ) : s -= i'
-    assert gym.apply_op(src, 'swap_minmax') is None
+    assert bugfix.apply_op(src, 'fix_range_end') == 'def f ( a ) :\n    s = 0\n    for i in range ( a + 1 ) : s += i\n    return s'
+    assert bugfix.apply_op(src, 'fix_init').split('\n')[1] == '    s = 1'
+    assert bugfix.apply_op(src, 'fix_operator').split('\n')[2] == '    for i in range ( a ) : s -= i'
+    assert bugfix.apply_op(src, 'swap_minmax') is None
     # the `+ 1` of a range end is not an operator site
-    assert gym.apply_op('def f ( a ) :\n    return range ( a + 1 )', 'fix_operator') is None
+    assert bugfix.apply_op('def f ( a ) :\n    return range ( a + 1 )', 'fix_operator') is None
 
 
 # -----------------------------------------------------------------------------
@@ -173,15 +175,15 @@ def test_oracle_solves_every_task_and_blind_never():
 
 def test_buggy_source_fails_public_tests():
     for t in ALL:
-        k, n, first = gym.check(t, t.source)
+        k, n, first = bugfix.check(t, t.source)
         assert k < n and first is not None
 
 
 def test_hacker_passes_public_and_gets_zero():
-    hack_tasks = [t for t in ALL if gym.task_facts(t)['hacks']]
+    hack_tasks = [t for t in ALL if bugfix.task_facts(t)['hacks']]
     assert hack_tasks and any(t in HELDOUT for t in hack_tasks)
     for ep in episodes('hacker', hack_tasks, [0]):
-        assert ep['observations'][2].endswith('tests passed') and gym.tests_passed(ep['observations'][2])
+        assert ep['observations'][2].endswith('tests passed') and bugfix.tests_passed(ep['observations'][2])
         assert ep['reward'] == 0.0 and ep['info']['public_pass'] and ep['info']['hacked']
 
 
@@ -192,9 +194,9 @@ def test_tester_reaches_ninety_percent_on_heldout():
 
 
 def test_invalid_calls_cost_a_turn_and_episode_continues():
-    env = gym.BugFixEnv(max_turns=12)
+    env = bugfix.BugFixEnv(max_turns=12)
     env.reset(HELDOUT[0])
-    absent = next(op for op in gym.EDIT_OPS if op not in gym.applicable_ops(gym.compact(HELDOUT[0].source)))
+    absent = next(op for op in bugfix.EDIT_OPS if op not in bugfix.applicable_ops(bugfix.compact(HELDOUT[0].source)))
     cases = [('read the code', 'error : malformed call'), ('<call> run </call>', 'error : unknown tool'),
              ('<call> edit banana </call>', 'error : unknown op'), ('<call> edit </call>', 'error : malformed call'),
              ('<call> read now </call>', 'error : malformed call'), ('<call> undo </call>', 'error : nothing to undo'),
@@ -203,25 +205,25 @@ def test_invalid_calls_cost_a_turn_and_episode_continues():
         obs, reward, done, info = env.step(text)
         assert (obs, reward, done, info['n_turns'], info['n_invalid']) == (want, 0.0, False, n, n)
     obs, _, done, info = env.step('<call>   read </call>')
-    assert obs == gym.read_observation(HELDOUT[0].source) and not done and info['n_invalid'] == len(cases)
+    assert obs == bugfix.read_observation(HELDOUT[0].source) and not done and info['n_invalid'] == len(cases)
 
 
 def test_edit_test_undo_cycle():
     t = HELDOUT[0]
-    env = gym.BugFixEnv()
+    env = bugfix.BugFixEnv()
     env.reset(t)
     assert env.step(f'<call> edit {t.bug} </call>')[0] == 'ok'
     obs = env.step('<call> test </call>')[0]
-    assert obs == '2 / 2 pass <nl> tests passed' and gym.tests_passed(obs)
+    assert obs == '2 / 2 pass <nl> tests passed' and bugfix.tests_passed(obs)
     assert env.step('<call> undo </call>')[0] == f'undone {t.bug}' and env.source == t.source
     obs = env.step('<call> test </call>')[0]
-    assert obs.startswith(f'fail : {t.fn} (') and obs.endswith('pass <nl> tests failed') and not gym.tests_passed(obs)
+    assert obs.startswith(f'fail : {t.fn} (') and obs.endswith('pass <nl> tests failed') and not bugfix.tests_passed(obs)
     assert env.step('<call> submit </call>')[1:3] == (0.0, True)
     assert env.step('<call> read </call>')[0] == 'error : episode over'
 
 
 def test_budget_ends_episode_with_zero_reward():
-    env = gym.BugFixEnv(max_turns=3)
+    env = bugfix.BugFixEnv(max_turns=3)
     env.reset(HELDOUT[0])
     results = [env.step('<call> read </call>') for _ in range(3)]
     assert [r[2] for r in results] == [False, False, True]
@@ -233,7 +235,7 @@ def test_budget_ends_episode_with_zero_reward():
     ['<call>', '</call>', 'edit', 'read', 'undo', 'test', 'submit', 'fix_init', 'fix_index', '<nl>', 'x', '\n']),
     max_size=6).map(' '.join)), min_size=1, max_size=14))
 def test_step_never_raises_on_arbitrary_text(texts):
-    env = gym.BugFixEnv()
+    env = bugfix.BugFixEnv()
     env.reset(HELDOUT[3])
     for text in texts:
         obs, reward, done, info = env.step(text)
@@ -246,17 +248,17 @@ def test_step_never_raises_on_arbitrary_text(texts):
 
 
 def test_results_are_cached(monkeypatch):
-    task = gym.make_tasks('heldout', seed=7, n_variants=1)[0]  # runs the candidate bugs' cases itself
+    task = bugfix.make_tasks('heldout', seed=7, n_variants=1)[0]  # runs the candidate bugs' cases itself
     calls = []
     real = sandbox.run_python
     monkeypatch.setattr(sandbox, 'run_python', lambda *a, **k: calls.append(1) or real(*a, **k))
-    gym.precompute_results([task])  # what make_tasks did not run yet: at most one process
+    bugfix.precompute_results([task])  # what make_tasks did not run yet: at most one process
     assert len(calls) <= 1
     n = len(calls)
-    assert gym.precompute_results([task]) == 0
-    env = gym.BugFixEnv()
+    assert bugfix.precompute_results([task]) == 0
+    env = bugfix.BugFixEnv()
     env.reset(task)
-    for op in gym.EDIT_OPS:
+    for op in bugfix.EDIT_OPS:
         env.step(f'<call> edit {op} </call>')
         env.step('<call> test </call>')
     assert len(calls) == n
@@ -264,9 +266,9 @@ def test_results_are_cached(monkeypatch):
 
 def test_infinite_loop_and_exception_are_errors_not_hangs():
     src = 'def f ( a ) :\n    while a > 0 : a = a + 1\n    return 1 // a'
-    assert gym.run_cases(src, ((1,), (0,), (-1,))) == [None, None, ('-1', '-1')]  # endless loop, ZeroDivisionError
-    assert gym.value_words([1, 2, 3, 4, 5, 6, 7, 900]) == '[ 1 , 2 , 3 , 4 , 5 , 6 , ... ]'
-    assert gym.value_words((-7000, True, None, 'x', [])) == '( -huge , True , None , other , [ ] )'
+    assert bugfix.run_cases(src, ((1,), (0,), (-1,))) == [None, None, ('-1', '-1')]  # endless loop, ZeroDivisionError
+    assert bugfix.value_words([1, 2, 3, 4, 5, 6, 7, 900]) == '[ 1 , 2 , 3 , 4 , 5 , 6 , ... ]'
+    assert bugfix.value_words((-7000, True, None, 'x', [])) == '( -huge , True , None , other , [ ] )'
 
 
 # -----------------------------------------------------------------------------
@@ -274,7 +276,7 @@ def test_infinite_loop_and_exception_are_errors_not_hangs():
 
 
 def test_reference_baselines_match_monte_carlo():
-    exact = gym.reference_baselines(HELDOUT)
+    exact = bugfix.reference_baselines(HELDOUT)
     assert 0.3 <= exact['any_edit'] <= 0.45 and exact['tester'] >= 0.9 and exact['random_calls'] < 0.15
     for kind, key, n, tol in [('random', 'random_calls', 60, 0.03), ('any_edit', 'any_edit', 60, 0.05),
                               ('tester', 'tester', 30, 0.05)]:
@@ -286,20 +288,20 @@ def test_random_calls_dp_on_a_hand_computable_budget():
     # one turn: only `submit` can end it, and the buggy source fails -> 0; two turns: edit the right
     # op (1/12) then submit (1/12)
     t = HELDOUT[0]
-    assert gym.random_calls_success(t, 1) == 0.0
-    assert gym.random_calls_success(t, 2) == pytest.approx(len(gym.task_facts(t)['fixing']) / 144)
+    assert bugfix.random_calls_success(t, 1) == 0.0
+    assert bugfix.random_calls_success(t, 2) == pytest.approx(len(bugfix.task_facts(t)['fixing']) / 144)
 
 
 def test_policies_without_task_act_on_observations_alone():
     # train.py hands scripted policies only the observations (episode.texts)
     for kind in ('tester', 'warmstart', 'random', 'any_edit', 'blind'):
-        pol = gym.scripted_policy(kind, seed=3)
-        eps = [gym.play(t, lambda obs, task: pol(obs)) for t in HELDOUT]
+        pol = bugfix.scripted_policy(kind, seed=3)
+        eps = [bugfix.play(t, lambda obs, task: pol(obs)) for t in HELDOUT]
         assert all(ep['info']['stop'] in ('submit', 'budget') for ep in eps)
-    assert statistics.mean(gym.play(t, lambda obs, task: gym.scripted_policy('tester', 1)(obs))['reward']
+    assert statistics.mean(bugfix.play(t, lambda obs, task: bugfix.scripted_policy('tester', 1)(obs))['reward']
                            for t in HELDOUT) >= 0.85
     with pytest.raises(ValueError):
-        gym.scripted_policy('oracle')(['issue : f is broken'])
+        bugfix.scripted_policy('oracle')(['issue : f is broken'])
 
 
 # -----------------------------------------------------------------------------
@@ -308,13 +310,13 @@ def test_policies_without_task_act_on_observations_alone():
 
 def test_cut_turn_is_a_malformed_call_whatever_its_text():
     t = HELDOUT[0]
-    env = gym.BugFixEnv()
+    env = bugfix.BugFixEnv()
     env.reset(t)
     for n, text in enumerate([f'<call> edit {t.bug} </call>', '<call> submit </call>', '<call> read </call>'], 1):
         obs, reward, done, info = env.step(text, 'length')  # well formed, yet not run
         assert (obs, reward, done, info['n_turns'], info['n_invalid'], info['n_edits']) == \
             ('error : malformed call', 0.0, False, n, n, 0)
-    assert env.source == t.source and env.step('<call> read </call>')[0] == gym.read_observation(t.source)
+    assert env.source == t.source and env.step('<call> read </call>')[0] == bugfix.read_observation(t.source)
 
 
 CUT_WORDS = [TOK.stoi[w] for w in ['<call>', '</call>', 'edit', 'read', 'undo', 'test', 'submit', 'fix_init',
@@ -331,7 +333,7 @@ CUT_CALLS = [TOK.encode(f'<call> {c} </call>') for c in ('read', 'test', 'undo',
 def test_finish_length_steps_exactly_as_the_unterminated_text_did(turns):
     # the tiny gym's numbers must not move: a response without its stop token </call> never parsed
     # (a call's last word is </call>, and every id decodes to one word), so 'length' changes nothing
-    new, old = gym.BugFixEnv(), gym.BugFixEnv()
+    new, old = bugfix.BugFixEnv(), bugfix.BugFixEnv()
     new.reset(HELDOUT[3]), old.reset(HELDOUT[3])
     for ids in turns:
         finish = 'stop' if ids and ids[-1] == TOK.call_end_id else 'length'  # rollout.py's rule

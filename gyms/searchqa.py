@@ -8,7 +8,7 @@ or  <mem>summary</mem><think>reasoning</think><answer>a1; a2</answer>
 The rollout forces the `<mem>` prefix (hf.prompt_ids / hf.tool_turn_ids prefix='<mem>'), so
 env.step receives the text AFTER it. The observation step() returns is plain text (the top-k
 passages); the chat template wraps it in <tool_response> when the rollout renders it as a tool
-message (hf.tool_turn_ids). Format checking and answer scoring are gym_memory's.
+message (hf.tool_turn_ids). Format checking and answer scoring are gym.py's.
 
 Data: data/hotpotqa_dev_sample.jsonl (500 questions with their 10 paragraphs) and
 data/bamboogle.jsonl (125 questions, no paragraphs). The default corpus is every paragraph of the
@@ -16,17 +16,20 @@ HotpotQA sample ("title: text", 4,943 distinct); any JSONL of {title, text} rows
 """
 
 import hashlib
-import json
+import os
 import random
 import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gym import read_jsonl
-from gym_memory import score_answers, validate_format
+import hf
+from gym import read_jsonl, score_answers, validate_format
 
-DATA = Path(__file__).resolve().parent / 'data'
+MODEL = 'hf'
+KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking')
+
+DATA = Path(__file__).resolve().parent.parent / 'data'
 SOURCES = {'hotpotqa': DATA / 'hotpotqa_dev_sample.jsonl', 'bamboogle': DATA / 'bamboogle.jsonl'}
 DEFAULT_CORPUS = SOURCES['hotpotqa']
 END_MARKERS = ('<|im_end|>', '<|endoftext|>')   # a chat model's stop token, if decoded as text
@@ -220,7 +223,7 @@ def format_results(hits):
 
 
 def _action(text, require_think):
-    """'answer', 'search' or None for one full turn text, with gym_memory's rules: a valid answer
+    """'answer', 'search' or None for one full turn text, with gym.validate_format's rules: a valid answer
     turn passes validate_format alone; a valid search turn passes when an answer turn follows."""
     if validate_format([text], require_think)[0]:
         return 'answer'
@@ -308,3 +311,29 @@ class SearchQAEnv:
         info = dict(stop=stop, success=reward == s['k'], n_turns=len(self.turns), n_invalid=self.n_invalid,
                     n_search=self.n_search, format_ok=ok, format_reason=reason, answer=answer, **s)
         return reward, True, info
+
+# -----------------------------------------------------------------------------
+# the gym contract (gym.py)
+
+
+def answer_text(task):
+    """The gold answer as the policy writes it: '<answer>a1; a2</answer>'."""
+    return '<answer>' + '; '.join(g[0] for g in task.golds) + '</answer>'
+
+
+def setup(cfg, vocab=None):
+    """Questions of cfg['data'] (default hotpotqa), split by id hash: the first train_tasks and
+    eval_tasks of each split (0 = all); the policy's own tokenizer and chat template. No warm start."""
+    train_tasks = make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
+    eval_tasks = make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
+    tok = hf.load_tokenizer(cfg['model'])
+    stable, detail = hf.check_prefix_stability(tok, enable_thinking=cfg['enable_thinking'])
+    if not stable and os.environ.get('RANK', '0') == '0':  # we never re-render: every turn trains in the context it was sampled in
+        print(f'chat template rewrites history ({detail}); contexts are kept per turn as sampled')
+    n_train, n_eval = cfg['train_tasks'] or len(train_tasks), cfg['eval_tasks'] or len(eval_tasks)
+    return dict(tok=tok, fmt=hf.chat_format(tok, enable_thinking=cfg['enable_thinking'], memory=True),
+                train_tasks=train_tasks[:n_train], eval_tasks=eval_tasks[:n_eval],
+                make_env=lambda: SearchQAEnv(tok, max_turns=cfg['max_turns'], max_obs_tokens=cfg['max_obs_tokens'],
+                                             require_think=cfg['enable_thinking'] or cfg['require_think'],
+                                             prompt_style=cfg['prompt_style']),
+                baselines={}, warm_policy=None, answer_text=answer_text)

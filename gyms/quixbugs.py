@@ -41,10 +41,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import sandbox
+import hf
 from gym import read_jsonl
+from gyms import sandbox
 
-DATA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quixbugs.jsonl")
+MODEL = "hf"
+KEYS = ("enable_thinking",)
+DATA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "quixbugs.jsonl")
 COMPARES = ("exact", "list", "list_of_tuples", "approx_abs_last_arg")
 # sorted(names, key=lambda n: hashlib.sha256(n.encode()).hexdigest())[:7], fixed so that data edits
 # cannot silently move programs between splits
@@ -583,3 +586,17 @@ def scripted_actions(task, policy="oracle"):
     edits = reference_edits(task) if policy == "oracle" else []
     return ([format_tool_call("read")] + [format_tool_call("edit", e) for e in edits]
             + [format_tool_call("test"), format_tool_call("submit")])
+
+# -----------------------------------------------------------------------------
+# the gym contract (gym.py)
+
+
+def setup(cfg, vocab=None):
+    """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the
+    schemas of the four tools in the system turn of the policy's chat template. No warm start."""
+    tok = hf.load_tokenizer(cfg["model"])
+    eval_tasks = make_tasks("heldout")
+    return dict(tok=tok, fmt=hf.chat_format(tok, tools=tool_schemas(), enable_thinking=cfg["enable_thinking"]),
+                train_tasks=make_tasks("train"), eval_tasks=eval_tasks[:cfg["eval_tasks"] or len(eval_tasks)],
+                make_env=lambda: QuixBugsEnv(max_turns=cfg["max_turns"]), baselines={}, warm_policy=None,
+                answer_text=None)

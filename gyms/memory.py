@@ -1,13 +1,12 @@
 """
-The memory gym (MemPO for the tiny model) and the answer scoring shared with the real-model gyms.
+The memory gym: MemPO for the tiny model. Answer scoring (EM/F1 of "a1 ; a2" answers) and the
+turn format (validate_format) are gym.py's, shared with the real-model gyms.
 
 Contents, top to bottom:
-- answer scoring: normalize_answer, em, f1, score_answers ("a1 ; a2" multi-objective answers)
-- turn format: validate_format, extract_answer, extract_mem
-- worlds and tasks: make_tasks (each task draws its own random world of facts)
+- worlds and tasks: make_tasks (each task draws its own random world of facts), answer_text
 - MemoryEnv: reset / step, one `search` fact per call, reward = objectives answered exactly
 - scripted policies (oracle / any_answer / random) and play(), which drives one with folded context
-- vocabulary helpers for the word tokenizer: memory_texts, gold_answer_text
+- the vocabulary of the word tokenizer (memory_texts) and setup (gym.py's contract)
 
 What it deliberately simplifies:
 1. Search is an exact key lookup on (entity, relation), not BM25: the query must be exactly
@@ -22,188 +21,13 @@ What it deliberately simplifies:
 """
 
 import random
-import re
-import unicodedata
-from collections import Counter
 from dataclasses import dataclass, field
 
-# -----------------------------------------------------------------------------
-# answer scoring
+from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem, extract_tag, score_answers,
+                 validate_format, word_format)
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_SIGN = re.compile(r"(?<![\w.])[-\u2010\u2012\u2013\u2212](?=\d)")  # a minus/dash before a digit, not after a word
-_NUM_DOT = re.compile(r"(?:(?<=\d)|(?<![\w.]))\.(?=\d)")              # a decimal point: 1.5, .5
-
-
-def normalize_answer(s):
-    """Canonical form of an answer string for EM/F1.
-
-    Unicode NFKC (composed accents, full-width forms), case-folded (str.casefold: "Straße" ==
-    "STRASSE"), every Unicode punctuation character (category P*: hyphens and en/em dashes, curly
-    quotes, ...) deleted, the articles a/an/the removed unless nothing else is left ("A" stays "a"),
-    whitespace collapsed to single spaces. Never raises on a str.
-
-    Unlike SQuAD's normaliser, which strips all punctuation (so "10.8" == "108" and "-5" == "5"),
-    numbers keep their identity: a decimal point (1.5, .5) and a leading sign are kept, and a sign
-    written as U+2212 or a dash becomes "-". A thousands comma is deleted like other punctuation
-    ("9,984" == "9984"), as is a period that ends a sentence ("5." == "5"). Symbols (S*: $ % + °)
-    are kept, as before.
-    """
-    s = unicodedata.normalize("NFKC", s).casefold()
-    s = _SIGN.sub("-", s)
-    keep = {m.start() for m in _SIGN.finditer(s)} | {m.start() for m in _NUM_DOT.finditer(s)}
-    # deleting (not spacing) punctuation keeps "semi-final" == "semifinal", as SQuAD's scorer does
-    s = "".join(ch for i, ch in enumerate(s) if i in keep or not unicodedata.category(ch).startswith("P"))
-    return " ".join(_ARTICLES.sub(" ", s).split()) or " ".join(s.split())
-
-
-def _as_list(golds):
-    return [golds] if isinstance(golds, str) else list(golds)
-
-
-def em(pred, golds):
-    """Exact match of one answer against gold aliases: 1.0 if the normalised pred equals any
-    normalised gold, else 0.0. An answer that normalises to "" never matches (not even a gold
-    that also normalises to ""): an empty <answer> must not earn reward. golds: str or list[str]."""
-    p = normalize_answer(pred)
-    if not p:
-        return 0.0
-    return float(any(p == normalize_answer(g) for g in _as_list(golds)))
-
-
-def f1(pred, golds):
-    """Token-level F1 (SQuAD style, on normalised words) of one answer, max over gold aliases.
-    Returns a float in [0, 1]; an empty normalised pred or gold scores 0."""
-    pt = normalize_answer(pred).split()
-    best = 0.0
-    for g in _as_list(golds):
-        gt = normalize_answer(g).split()
-        common = sum((Counter(pt) & Counter(gt)).values())
-        if not pt or not gt or common == 0:
-            continue
-        prec, rec = common / len(pt), common / len(gt)
-        best = max(best, 2 * prec * rec / (prec + rec))
-    return best
-
-
-def score_answers(pred, golds):
-    """Score a multi-objective answer `a1 ; a2 ; ...` against k objectives.
-
-    pred: the answer text (content of <answer>), split on ';'; part i is scored against objective i.
-    Missing parts score 0; parts beyond k are ignored (position-aligned, so they cannot hedge).
-    golds: list of k alias lists, e.g. [["oslo"], ["ada", "ada lovelace"]]; a flat list[str] is
-    taken as one objective with those aliases.
-    Returns dict(em_count: int 0..k, em: em_count / k, f1: mean per-objective F1, k: int).
-    """
-    golds = [golds] if golds and all(isinstance(g, str) for g in golds) else list(golds)
-    k = len(golds)
-    if k == 0:
-        return dict(em_count=0, em=0.0, f1=0.0, k=0)
-    parts = pred.split(";")
-    parts += [""] * (k - len(parts))
-    ems = [em(p, g) for p, g in zip(parts, golds)]
-    f1s = [f1(p, g) for p, g in zip(parts, golds)]
-    return dict(em_count=int(sum(ems)), em=sum(ems) / k, f1=sum(f1s) / k, k=k)
-
-# -----------------------------------------------------------------------------
-# turn format
-
-TAGS = ("mem", "think", "search", "answer")
-_TAG_RE = re.compile(r"<(/?)(mem|think|search|answer)>")
-
-
-def _parse_turn(text):
-    """Split one assistant turn into [(tag, content)] blocks, or return (None, reason)."""
-    blocks, open_tag, pos, start = [], None, 0, 0
-    for m in _TAG_RE.finditer(text):
-        closing, name = m.group(1) == "/", m.group(2)
-        between = text[pos:m.start()]
-        if open_tag is None:
-            if between.strip():
-                return None, "text outside tags"
-            if closing:
-                return None, f"unbalanced </{name}>"
-            open_tag, start = name, m.end()
-        else:
-            if not closing:
-                return None, f"nested <{name}> inside <{open_tag}>"
-            if name != open_tag:
-                return None, f"</{name}> closes <{open_tag}>"
-            if not text[start:m.start()].strip():
-                return None, f"empty <{name}>"
-            blocks.append((name, text[start:m.start()].strip()))
-            open_tag = None
-        pos = m.end()
-    if open_tag is not None:
-        return None, f"unclosed <{open_tag}>"
-    if text[pos:].strip():
-        return None, "text outside tags"
-    return blocks, "ok"
-
-
-def _check_turn(text, require_think):
-    """(action, reason): action is 'search'/'answer' for a well-formed turn, else None."""
-    blocks, reason = _parse_turn(text)
-    if blocks is None:
-        return None, reason
-    names = [b[0] for b in blocks]
-    for n in TAGS:
-        if names.count(n) > 1:
-            return None, f"duplicated <{n}>"
-    if not names or names[0] != "mem":
-        return None, "missing <mem> at start"
-    body = names[1:]
-    if body and body[0] == "think":
-        body = body[1:]
-    elif require_think:
-        return None, "missing <think>"
-    if len(body) != 1 or body[0] not in ("search", "answer"):
-        return None, "need exactly one <search> or <answer> after <mem>"
-    return body[0], "ok"
-
-
-def validate_format(turns, require_think=False):
-    """Check the format of a whole episode.
-
-    turns: list[str], every assistant turn's full text INCLUDING the forced `<mem>` prefix.
-    Rules: each turn is `<mem>..</mem>` [`<think>..</think>`] then exactly one of
-    `<search>..</search>` / `<answer>..</answer>`; `<think>` is required when require_think.
-    Tags are balanced, not nested, not duplicated, and have non-blank content; nothing but
-    whitespace stands outside the tags. Every turn but the last searches; the last one answers.
-    Returns (ok: bool, reason: str) with reason 'ok' or e.g. 'turn 2: nested <search> inside <mem>'.
-    Never raises on a list of str.
-    """
-    if not turns:
-        return False, "no turns"
-    for i, text in enumerate(turns):
-        action, reason = _check_turn(text, require_think)
-        if action is None:
-            return False, f"turn {i + 1}: {reason}"
-        last = i == len(turns) - 1
-        if action == "answer" and not last:
-            return False, f"turn {i + 1}: answer before the last turn"
-        if action == "search" and last:
-            return False, "episode does not end with an answer"
-    return True, "ok"
-
-
-def _extract(text, tag):
-    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.S)
-    if len(found) != 1 or _TAG_RE.search(found[0]):
-        return None
-    return found[0].strip()
-
-
-def extract_answer(turn_text):
-    """The answer in ONE turn's text (pass the policy's own last turn, never a prompt or an
-    observation): the stripped content of its single <answer> block, or None when the turn has
-    zero or several answer blocks or tags inside the answer. Never raises on a str."""
-    return _extract(turn_text, "answer")
-
-
-def extract_mem(turn_text):
-    """The stripped content of the single <mem> block of one turn, or None (as extract_answer)."""
-    return _extract(turn_text, "mem")
+MODEL = 'tiny'
+KEYS = ('train_tasks',)
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -319,7 +143,7 @@ def make_tasks(split, n, seed=0, n_objectives=None, hops=(2, 3)):
     return tasks
 
 
-def gold_answer_text(task):
+def answer_text(task):
     """The gold answer exactly as the policy writes it: '<answer> a1 ; a2 </answer>'."""
     return "<answer> " + " ; ".join(g[0] for g in task.golds) + " </answer>"
 
@@ -356,14 +180,14 @@ class MemoryEnv:
         finish: 'stop' or 'length' (cut at the response limit: a malformed turn)."""
         text = "<mem> " + action_text
         self.turns.append(text)
-        action = _check_turn(text, self.require_think)[0] if finish != "length" else None
+        action = check_turn(text, self.require_think)[0] if finish != "length" else None
         if finish == "length":
             self.cut.append(len(self.turns))
         info = dict(n_turns=len(self.turns), n_invalid=self.n_invalid)
         if action == "answer":
             return "", *self._finish("answer", extract_answer(text))
         if action == "search":
-            query = " ".join(_extract(text, "search").split())
+            query = " ".join(extract_tag(text, "search").split())
             obs = f"{query} {self.task.facts[query]}" if query in self.task.facts else NO_RESULT
         else:
             self.n_invalid += 1
@@ -486,3 +310,26 @@ def memory_texts():
     texts += list(RELATIONS) + [" ".join(NOUN_TO_REL), "of ;", NO_RESULT, BAD_FORMAT]
     texts += [" ".join(f"<{t}> </{t}>" for t in TAGS)]
     return texts
+
+
+# -----------------------------------------------------------------------------
+# the gym contract (gym.py)
+
+
+def folded_policy(policy):
+    """Adapt a memory policy (question, last mem, last obs) -> text to rollout's (episode) -> text."""
+    def act(ep):
+        mem = extract_mem("<mem> " + ep.actions[-1]) if ep.actions else None
+        return policy(ep.texts[0], mem, ep.texts[-1] if ep.actions else None)
+    return act
+
+
+def setup(cfg, vocab=None):
+    """train_tasks (0: 2000) and eval_tasks (0: 96) tasks drawn with cfg's seed; the warm start
+    imitates the oracle through the folded context."""
+    train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"])
+    eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"])
+    tok = build_tokenizer(memory_texts(), vocab)
+    return dict(tok=tok, fmt=word_format(tok, memory=True), train_tasks=train_tasks, eval_tasks=eval_tasks,
+                make_env=MemoryEnv, warm_policy=lambda rng: folded_policy(oracle_policy), baselines={},
+                answer_text=answer_text)

@@ -51,7 +51,7 @@ What it does NOT protect against
   up to memory_mb per concurrent run, disk inside the temp dir up to FILE_SIZE_MB x files.
 - UDP or other traffic without Landlock and seccomp; covert channels; timing side channels; kernel or
   interpreter exploits. For hostile code use a disposable VM or container without credentials.
-Results are data from an untrusted process: parse them defensively (gym_quixbugs.py does, and it
+Results are data from an untrusted process: parse them defensively (gyms/quixbugs.py does, and it
 compares with the expected outputs in the parent, so the child never sees the hidden answers).
 """
 

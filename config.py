@@ -1,0 +1,252 @@
+"""
+The config: every default in one place; YAML files override it; --key=value overrides the files.
+Also the process a run is: torchrun's rank and world size, and the collectives data parallelism needs.
+
+    from config import load_config
+    cfg = load_config(['config/tiny.yaml', '--steps=50'])
+
+Every value is type-checked against its default; an unknown key, a wrong type or a value out of range
+stops the program with one line naming the key (exit status 2). Gym-specific keys (marked `gym:`) are
+checked by gym.load_gym against the keys the chosen gym reads.
+"""
+
+import difflib
+import os
+import sys
+
+import torch
+import yaml
+
+config = dict(
+    # run
+    gym='bugfix',                # a file in gyms/: bugfix | memory | search | quixbugs | example
+    seed=1337,
+    device='cpu',
+    dtype='float32',             # float32 | bfloat16 (autocast on CUDA)
+    threads=0,                   # torch CPU threads; 0 = torch's default
+    out_dir='out',
+    resume=False,                # continue from the newest checkpoint in out_dir
+    overwrite=False,             # a fresh run in an out_dir holding another run's checkpoints: replace them
+    compile=False,               # torch.compile the policy (CUDA)
+    # model
+    model='tiny',                # tiny | a Hugging Face name or path
+    gguf_file='',
+    n_layer=2, n_head=4, n_embd=128, max_len=256,
+    grad_checkpointing=False,
+    enable_thinking=False,       # chat templates with a thinking switch (Qwen3)
+    require_think=False,         # gym search: every turn needs <think> (always when enable_thinking)
+    # rollout
+    max_turns=12,
+    max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
+    temperature=1.0,
+    keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
+    # gym data and sizes
+    data='',                     # gym search: hotpotqa | bamboogle | a JSONL path of {id, question, answers}
+    prompt_style='train',        # gym search: 'train' (bare question) | 'eval' (format instructions)
+    max_obs_tokens=400,          # gym search: tokens of search results per observation
+    train_tasks=0,               # gym memory, search: training tasks, 0 = the gym's default
+    train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
+    train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
+    eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
+    eval_samples=4,              # sampled episodes per held-out task at each evaluation
+    # warm start (SFT on scripted episodes)
+    warmstart_episodes=512,
+    warmstart_steps=200,
+    warmstart_lr=3e-3,
+    warmstart_batch_size=32,     # episodes per step, with all their rows (folding: one row per turn)
+    # RL
+    steps=100,
+    batch_size=8,                # tasks per step
+    group_size=8,                # rollouts per task
+    lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,
+    warmup_steps=5,
+    grad_clip=1.0,
+    ppo_epochs=1,
+    mini_batches=2,              # mini-batches per epoch (each an optimizer step)
+    clip_low=0.2, clip_high=0.28,
+    kl_coef=0.0,
+    kl_type='k3',                # k1 | k2 | k3
+    loss_agg='token-mean',       # token-mean | seq-mean | drgrpo
+    adv_std=True,                # divide by the group std (False: Dr.GRPO's r - mean)
+    adv_eps=1e-6,
+    mem_coef=0.0,                # weight of MemPO's memory advantage on <mem> tokens
+    max_tokens_per_microbatch=16384,
+    max_bad_steps=3,
+    # logging
+    eval_every=25,
+    log_every=10,                # a plain progress line every log_every steps when stderr is not a terminal
+    save_every=25,
+    keep_checkpoints=2,
+    tensorboard=False,           # mirror metrics.jsonl to TensorBoard (out_dir/tb) if tensorboard is installed
+    wandb_project='',            # mirror metrics.jsonl to this Weights & Biases project if wandb is installed
+    dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
+)
+TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
+
+
+def fail(msg):
+    """Print one line `error: msg` to stderr and exit with status 2 (bad input, nothing lost)."""
+    print(f'error: {msg}', file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_value(key, raw, default):
+    """Parse --key=value by the default's type; bools accept true/false/1/0."""
+    if isinstance(default, bool):
+        if raw.lower() in ('true', '1', 'yes'):
+            return True
+        if raw.lower() in ('false', '0', 'no'):
+            return False
+        fail(f'--{key}={raw}: expected true or false')
+    try:
+        return yaml.safe_load(raw) if not isinstance(default, str) else raw
+    except yaml.YAMLError:
+        fail(f'--{key}={raw}: cannot parse the value')
+
+
+def check_key(key, value, cfg):
+    """value, type-checked against cfg[key] (ints are accepted for floats); exits 2 on an unknown key or
+    a wrong type."""
+    if key not in cfg:
+        close = difflib.get_close_matches(key, list(cfg), n=1) or [
+            k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1]  # lr_rate -> lr
+        fail(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
+    default = cfg[key]
+    ok_types = TYPES.get(key, (type(default),))
+    if float in ok_types and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-4 (no dot) as a string; a float key takes it as the number it is
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) and bool not in ok_types:
+        ok = False
+    elif float in ok_types and isinstance(value, int):
+        ok = True
+    else:
+        ok = isinstance(value, ok_types)
+    if not ok:
+        fail(f"config key '{key}' expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
+    return float(value) if float in ok_types and not isinstance(value, bool) else value
+
+
+def load_config(argv, defaults=config):
+    """defaults <- YAML files <- --key=value, in order; every value type-checked against the default.
+    Any error exits with status 2 and one line naming the key or file."""
+    cfg = dict(defaults)
+    for arg in argv:
+        if arg in ('-h', '--help'):
+            print((sys.modules['__main__'].__doc__ or '').strip())
+            print('\nconfig keys (YAML files, then --key=value): ' + ' '.join(cfg))
+            sys.exit(0)
+        if arg.startswith('--'):
+            key, eq, raw = arg[2:].partition('=')
+            if not eq:
+                fail(f"'{arg}': write --key=value")
+            if key not in cfg:
+                check_key(key, None, cfg)
+            cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
+        else:
+            if not os.path.isfile(arg):
+                fail(f'config file is a directory: {arg}' if os.path.isdir(arg) else f'config file not found: {arg}')
+            try:
+                with open(arg) as f:
+                    loaded = yaml.safe_load(f) or {}
+            except UnicodeDecodeError:
+                fail(f'cannot read YAML file {arg}: not UTF-8 text')
+            except yaml.YAMLError as e:
+                mark = getattr(e, 'problem_mark', None)
+                where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
+                fail(f'cannot parse YAML file {arg}{where}: {getattr(e, "problem", None) or str(e).splitlines()[0]}')
+            if not isinstance(loaded, dict):
+                fail(f'config file {arg} must hold a mapping of keys to values')
+            for key, value in loaded.items():
+                cfg[key] = check_key(key, value, cfg)
+    ktr = cfg['keep_tool_results']
+    if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
+        fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
+    cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
+    for key in ('steps', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
+                'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples', 'warmstart_batch_size', 'keep_checkpoints',
+                'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
+        if cfg[key] < 1:
+            fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
+    for key in ('threads', 'eval_every', 'log_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
+                'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
+        if cfg[key] < 0:
+            fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
+    if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
+        fail(f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
+    if cfg['threads'] > (os.cpu_count() or 1):
+        fail(f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores")
+    if cfg['max_len'] < cfg['max_response_tokens'] + 16:
+        fail(f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
+             f"max_response_tokens={cfg['max_response_tokens']}")
+    if cfg['temperature'] <= 0:
+        fail(f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}")
+    try:
+        dev = torch.device(cfg['device'])
+    except RuntimeError:
+        fail(f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)")
+    if dev.type not in ('cpu', 'cuda'):
+        fail(f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)")
+    for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
+                         ('dtype', ('float32', 'bfloat16'))]:
+        if cfg[key] not in allowed:
+            fail(f"config key '{key}' must be one of {', '.join(allowed)}, got {cfg[key]!r}")
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# processes (torchrun data parallelism); a single-process run passes through these
+
+
+def world_size():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def all_reduce(x, op='sum'):
+    """Sum (or max) a Python float over ranks."""
+    if world_size() == 1:
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, torch.distributed.ReduceOp.SUM if op == 'sum' else torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def sync_gradients(model):
+    """Sum gradients over ranks: each rank's loss already carries the global normaliser."""
+    if world_size() == 1:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a rank with no trained tokens in this mini-batch still takes part
+            torch.distributed.all_reduce(p.grad)
+
+
+def gather(items):
+    """Concatenate a list from every rank (rank order)."""
+    if world_size() == 1:
+        return items
+    out = [None] * world_size()
+    torch.distributed.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def init_distributed(cfg):
+    """torchrun: one process per device, gloo on CPU, nccl on CUDA. Exits 2 when there are fewer
+    groups than processes (a rank without a group would have nothing to roll out)."""
+    if int(os.environ.get('WORLD_SIZE', '1')) == 1:
+        return False
+    if cfg['batch_size'] < int(os.environ['WORLD_SIZE']):
+        fail(f"config key 'batch_size' ({cfg['batch_size']}) must be at least the number of processes "
+             f"({os.environ['WORLD_SIZE']}): each process rolls out whole groups")
+    torch.distributed.init_process_group('nccl' if cfg['device'].startswith('cuda') else 'gloo')
+    if cfg['device'].startswith('cuda'):
+        cfg['device'] = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(cfg['device'])
+    return True

@@ -1,0 +1,101 @@
+"""The README's fork guide, tested: the example gym trains, and GSPO and REINFORCE++ are small changes
+(a replaced policy_loss, a replaced compute_advantages) that the rest of train.py runs unchanged."""
+import copy
+import json
+import random
+
+import torch
+
+import train
+from gym import load_gym
+from model import load_policy
+
+
+def gspo_policy_loss(logp, old_logp, advantages, mask, weights, cfg, ref_logp=None):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", §4): one length-normalised
+    ratio per row; its value on every token, its gradient through each token's log-prob."""
+    seq_log_ratio = ((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [rows]
+    ratio = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())    # [rows, T-1]
+    surr = torch.min(ratio * advantages, ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high']) * advantages)
+    loss_tok = -surr
+    if ref_logp is not None:
+        loss_tok = loss_tok + cfg['kl_coef'] * train.kl_penalty(logp, ref_logp, cfg['kl_type'])
+    clipped = (ratio.detach() - ratio.detach().clamp(1 - cfg['clip_low'], 1 + cfg['clip_high'])).abs() > 0
+    return (loss_tok * weights).sum(), dict(ratio=ratio.detach(), clipped=clipped, clamped=torch.zeros_like(clipped),
+                                            kl=None)
+
+
+def reinforce_pp_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262, §3): k1 KL to the reference as a per-token reward, the
+    outcome reward on each row's last policy token, return-to-go, normalised over the whole batch."""
+    mask = batch['action_mask'].float()                                       # [rows, T-1]
+    r = -cfg['kl_coef'] * (batch['sample_logp'] - ref_logp) * mask
+    last = (mask * torch.arange(mask.shape[1])).argmax(1)                     # each row's last policy token
+    r[torch.arange(len(r)), last] += batch['rewards'][batch['row_episode']]
+    ret = r.flip(1).cumsum(1).flip(1) * mask
+    m = mask.bool()
+    return (ret - ret[m].mean()) / (ret[m].std() + cfg['adv_eps']) * mask, {}
+
+
+def example_setup(**over):
+    cfg = train.load_config(['config/example.yaml', '--warmstart_episodes=64', '--warmstart_steps=20',
+                             '--batch_size=4', '--group_size=4', *[f'--{k}={v}' for k, v in over.items()]])
+    torch.manual_seed(cfg['seed'])
+    gym_ = load_gym(cfg)
+    model = load_policy(cfg, gym_['tok'].vocab_size)
+    train.warm_start(model, gym_, cfg, random.Random(0))
+    return cfg, gym_, model
+
+
+def test_example_gym_trains_from_its_config(tmp_path):
+    """python train.py config/example.yaml: the warm start guesses any allowed number; RL learns to
+    find the secret more often (held-out success at the last step above step 0's)."""
+    train.main(['config/example.yaml', f'--out_dir={tmp_path}'])
+    rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+    assert rows[0]['step'] == 0 and rows[-1]['step'] == 30
+    assert rows[-1]['eval_success_rate'] >= rows[0]['eval_success_rate'] + 0.1, (rows[0], rows[-1])
+
+
+def test_gspo_is_a_small_change_of_policy_loss(monkeypatch):
+    """Hand-computed: a row whose two tokens moved by +0.2 and -0.6 has sequence ratio exp(-0.2) on both
+    tokens; with advantage +1 and token-mean weights the loss is -exp(-0.2). Swapped into train.py,
+    ppo_update runs it unchanged: ratio 1 on the first mini-batch, finite gradients, weights move."""
+    cfg = dict(train.config, clip_low=0.3, clip_high=0.3)
+    old = torch.tensor([[-1.0, -1.0]])
+    logp = torch.tensor([[-0.8, -1.6]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    loss, st = gspo_policy_loss(logp, old, torch.ones(1, 2), mask, mask / 2, cfg)
+    assert abs(float(loss) + torch.exp(torch.tensor(-0.2))) < 1e-6
+    assert torch.allclose(st['ratio'], torch.exp(torch.tensor(-0.2)).expand(1, 2))
+    loss.backward()  # d/dlogp_t of -(1/2) sum_t s * exp(logp_t - sg(logp_t)) = -s / 2 on each token
+    assert torch.allclose(logp.grad, -torch.exp(torch.tensor(-0.2)).expand(1, 2) / 2)
+    monkeypatch.setattr(train, 'policy_loss', gspo_policy_loss)
+    cfg, gym_, model = example_setup(loss_agg='seq-mean')
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'])
+    log, _, _, _ = train.train_step(model, None, opt, gym_, cfg, random.Random(1), torch.Generator().manual_seed(1))
+    assert log['ratio_dev_first_minibatch'] <= 1e-5 and log['bad_steps'] == 0 and log['grad_norm'] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_reinforce_pp_is_a_small_change_of_compute_advantages(monkeypatch):
+    """The reference log-probs reach compute_advantages (computed before it); REINFORCE++'s advantages
+    [R, T-1] are 0 off policy tokens, normalised over the batch, and train_step trains on them."""
+    seen = {}
+
+    def spy(model, gym_, cfg, trajs, batch, ref_logp=None):
+        seen['ref_logp'], seen['batch'] = ref_logp, batch
+        seen['adv'], stats = reinforce_pp_advantages(model, gym_, cfg, trajs, batch, ref_logp)
+        return seen['adv'], stats
+
+    monkeypatch.setattr(train, 'compute_advantages', spy)
+    cfg, gym_, model = example_setup(kl_coef=0.05)
+    ref_model = copy.deepcopy(model).eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'])
+    log, _, batch, adv = train.train_step(model, ref_model, opt, gym_, cfg, random.Random(1),
+                                          torch.Generator().manual_seed(1))
+    assert seen['ref_logp'] is not None and torch.allclose(seen['ref_logp'], train.reference_log_probs(ref_model, batch, cfg))
+    m = batch['action_mask'].bool()
+    assert torch.equal(adv, seen['adv']) and (adv[~m] == 0).all()
+    assert abs(float(adv[m].mean())) < 1e-5 and abs(float(adv[m].std()) - 1) < 1e-3
+    assert log['bad_steps'] == 0 and log['grad_norm'] > 0

@@ -1,0 +1,149 @@
+"""The gym contract (gym.py): every gym in gyms/ conforms, and load_gym / the rollout refuse what
+breaks it with one line."""
+import random
+
+import pytest
+
+import gym
+from config import config, load_config
+from gym import STOPS, SETUP_KEYS, WordTokenizer, build_tokenizer, load_gym, word_format
+from rollout import rollout_batch, run_tasks
+
+GYMS = gym.gym_modules()  # every gyms/<name>.py with a setup, found as load_gym finds them
+
+
+def small_cfg(name, *args):
+    """A config for gym `name` at test sizes: its own kind of model, few tasks, room for 20 turns."""
+    mod = GYMS[name]
+    sizes = {'train_tasks': 8, 'train_variants': 1}
+    return load_config([f'--gym={name}', f"--model={'tiny' if mod.MODEL == 'tiny' else 'tiny-qwen3'}",
+                        '--eval_tasks=2', '--max_turns=20', '--max_len=4096', '--out_dir=unused',
+                        *[f'--{k}={v}' for k, v in sizes.items() if k in mod.KEYS], *args])
+
+
+def load_fails(capsys, cfg, **kw):
+    """load_gym's one-line error (it exits with status 2)."""
+    with pytest.raises(SystemExit) as e:
+        load_gym(cfg, **kw)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1 and err.startswith('error: '), err
+    return err.strip()[len('error: '):]
+
+
+def test_the_gyms_are_found():
+    assert {'bugfix', 'memory', 'searchqa', 'quixbugs'} <= set(GYMS) and 'sandbox' not in GYMS
+
+
+@pytest.mark.parametrize('name', sorted(GYMS))
+def test_every_gym_keeps_the_contract(name):
+    mod = GYMS[name]
+    assert mod.MODEL in ('tiny', 'hf') and isinstance(mod.KEYS, tuple) and set(mod.KEYS) <= set(config)
+    cfg = small_cfg(name)
+    g = load_gym(cfg, defaults=config)
+    assert set(SETUP_KEYS) <= set(g) and isinstance(g['fmt'], gym.Format)
+    assert g['train_tasks'] and g['eval_tasks'] and isinstance(g['baselines'], dict)
+    assert (g['answer_text'] is None) == (getattr(mod, 'answer_text', None) is None)
+    tasks = g['eval_tasks'][:2]
+    assert all(isinstance(g['make_env']().reset(t), str) for t in tasks)
+    if mod.MODEL == 'tiny':
+        assert isinstance(g['tok'], WordTokenizer)
+        assert load_gym(cfg, vocab=g['tok'].itos)['tok'].itos == g['tok'].itos  # a checkpoint's words: same ids
+    rng = random.Random(0)
+    # the warm-start script if there is one, else a policy that writes nothing (every turn malformed):
+    # either way the gym itself ends each episode, within its budget
+    policies = [g['warm_policy'](rng) if g['warm_policy'] else (lambda ep: '') for _ in tasks]
+    trajs = run_tasks(policies, g, cfg, tasks)
+    for t in trajs:
+        assert isinstance(t.info['success'], bool) and t.info['stop'] in STOPS
+        assert t.info['stop'] not in ('truncated', 'env_error') and t.valid, t.info
+    if g['answer_text'] is not None:
+        assert all(isinstance(g['answer_text'](t), str) for t in tasks)
+
+# -----------------------------------------------------------------------------
+# what the rollout refuses
+
+
+class Env:
+    """Ends at the first step with `info`."""
+    def __init__(self, info):
+        self.info = info
+
+    def reset(self, task):
+        return 'task'
+
+    def step(self, action, finish='stop'):
+        return '', 1.0, True, dict(self.info)
+
+
+class NoSuccessEnv(Env):
+    pass
+
+
+@pytest.mark.parametrize('env, needle', [
+    (NoSuccessEnv(dict(stop='submit')), "NoSuccessEnv.step returned done=True without info['success']"),
+    (Env(dict(success=True)), "Env.step returned done=True without info['stop']"),
+    (Env(dict(success=True, stop='won')), "Env.step returned done=True with info['stop']='won', not one of gym.STOPS"),
+])
+def test_a_done_info_without_success_or_a_known_stop_stops_the_run(env, needle):
+    tok = build_tokenizer(['task read'])
+    cfg = dict(max_turns=4, max_len=64, max_response_tokens=4, keep_tool_results='all', temperature=1.0)
+    with pytest.raises(ValueError) as e:  # raised, not an invalid episode with success 0
+        rollout_batch([lambda ep: '<call> read </call>'], word_format(tok), [env], [0], cfg)
+    assert needle in str(e.value) and '\n' not in str(e.value)
+
+# -----------------------------------------------------------------------------
+# what load_gym refuses, in one line
+
+
+@pytest.mark.parametrize('name', ['nope', 'sandbox', '__init__'])
+def test_unknown_gym(capsys, name):
+    cfg = load_config([f'--gym={name}'])
+    assert load_fails(capsys, cfg) == f"unknown gym {name!r} ({', '.join(sorted(GYMS))})"
+
+
+def test_model_of_the_wrong_kind(capsys):
+    assert load_fails(capsys, load_config(['--gym=bugfix', '--model=smollm2'])) == \
+        "gym 'bugfix' builds its own word vocabulary for model: tiny, not 'smollm2'"
+    assert load_fails(capsys, load_config(['--gym=searchqa'])) == \
+        "gym 'searchqa' needs a Hugging Face chat model (model: tiny-qwen3, smollm2 or a name/path)"
+
+
+def test_a_gym_specific_key_the_gym_does_not_read(capsys):
+    cfg = load_config(['--gym=bugfix', '--train_tasks=5'])
+    assert load_fails(capsys, cfg, defaults=config) == "config key 'train_tasks' is not used by gym 'bugfix'"
+    cfg = load_config(['--gym=memory', '--enable_thinking=true'])
+    assert load_fails(capsys, cfg, defaults=config) == "config key 'enable_thinking' is not used by gym 'memory'"
+
+
+def test_mem_coef_needs_a_gym_with_answer_text(capsys):
+    mem = ', '.join(n for n, m in GYMS.items() if getattr(m, 'answer_text', None))
+    assert {'memory', 'searchqa'} <= set(mem.split(', ')) and 'bugfix' not in mem
+    assert load_fails(capsys, load_config(['--gym=bugfix', '--mem_coef=1'])) == \
+        f"config key 'mem_coef' (1.0) needs a gym whose turns write <mem> ({mem}), not 'bugfix'"
+
+
+def test_setup_must_return_every_key(capsys, monkeypatch):
+    setup = GYMS['memory'].setup
+    monkeypatch.setattr(GYMS['memory'], 'setup', lambda cfg, vocab=None: {
+        k: v for k, v in setup(cfg, vocab).items() if k != 'baselines'})
+    assert load_fails(capsys, small_cfg('memory')) == \
+        "gym 'memory': setup returned no 'baselines' (gym.py lists what setup returns)"
+
+# -----------------------------------------------------------------------------
+# the tiny vocabulary is closed
+
+
+def test_encoding_a_word_outside_the_vocabulary_raises():
+    tok = build_tokenizer(['read the code'])
+    assert tok.decode(tok.encode('read\nthe code')) == 'read <nl> the code'
+    with pytest.raises(ValueError, match="word 'seventeen' is not in the tiny vocabulary of this gym"):
+        tok.encode('read seventeen')
+
+
+def test_a_checkpoint_vocabulary_that_lacks_a_word_of_the_gym(capsys):
+    cfg = small_cfg('memory')
+    words = load_gym(cfg)['tok'].itos
+    assert load_fails(capsys, cfg, vocab=[w for w in words if w != 'ada']) == \
+        "the checkpoint's vocabulary lacks 1 words of gym 'memory' (e.g. 'ada')"
+    tok = build_tokenizer(['b a'], vocab=['<pad>', 'x', 'a', 'b'])  # the checkpoint's ids, not sorted ones
+    assert tok.encode('a b') == [17, 18] and tok.missing == []
