@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from report import read_metrics
-from config import fail, load_config, parse_value
+from config import fail, load_config, parse_options
 
 VARIANTS = {  # name -> overrides on top of the config file
     'mempo': [],
@@ -51,18 +51,8 @@ METRICS = ('em', 'f1', 'tt', 'pt')
 def parse_args(argv):
     """Split argv into this script's options (dict) and the --key=value list passed to train.py."""
     opts = dict(quick=False, seeds='1,2,3', out='out/ablate', config='config/tiny_mem.yaml', ks='1,2,4,5',
-                rerun=False, dry_run=False, jobs=1)
-    passthrough = []
-    for arg in argv:
-        key, eq, val = arg.lstrip('-').partition('=')
-        if not (arg.startswith('--') and key in opts):
-            passthrough.append(arg)
-        elif isinstance(opts[key], bool):  # --rerun, --rerun=true, --rerun=false
-            opts[key] = not eq or parse_value(key, val, False)
-        elif not eq or not val:
-            fail(f'--{key} needs a value, e.g. --{key}={opts[key]}')
-        else:
-            opts[key] = val
+                rerun=False, dry_run=False, jobs='1')
+    opts, passthrough = parse_options(argv, opts)
     if opts['quick'] and not any(a.startswith('--seeds=') for a in argv):
         opts['seeds'] = '1'
     for key in ('seeds', 'ks', 'jobs'):

@@ -38,7 +38,7 @@ def grpo_advantage(rewards, group_ids, valid=None, scale_std=True, eps=1e-6):
 
 
 def memory_advantage(mem_rewards, turn_valid, group_ids, eps=1e-6):
-    """MemPO's memory advantage (arXiv 2603.00680 §3; our notes §1.3.1).
+    """MemPO's memory advantage (arXiv 2603.00680, §3).
 
     mem_rewards [N, K]: P_mem - P_full of turn k of episode n; turn_valid [N, K] bool: True for turns
     t >= 2 that exist (turn 1 has no earlier history, so no memory reward). The statistics pool every

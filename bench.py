@@ -5,8 +5,12 @@ alternated repetition by repetition so both see the same machine load.
 
     python bench.py --quick                  # < 3 minutes on 2 CPU cores
     python bench.py                          # larger sizes, plus SmolLM2-135M
-    python bench.py --device cuda            # bf16 autocast, MFU against the GPU's peak
-    python bench.py --quick --json bench.json
+    python bench.py --device=cuda            # bf16 autocast, MFU against the GPU's peak
+    python bench.py --quick --json=bench.json
+
+Options (--key=value, as every script): --quick (smaller sizes, no SmolLM2), --smoke (tiny sizes, one
+repetition: a plumbing check for the tests), --device=cpu, --threads=1 (torch CPU threads, pinned:
+shared cores make 2 erratic), --json=FILE (write the rows), --only=tiny,hf,smollm2,ppo,rl (a subset).
 
 Rows (ratio > 1 means we are faster):
   tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
@@ -25,7 +29,6 @@ Simplifications, on purpose:
    every row generates exactly the lengths asked for.
 """
 
-import argparse
 import contextlib
 import importlib.util
 import json
@@ -35,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 import warnings
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')  # nothing here needs a hub; a look-up would only hang
@@ -45,6 +49,7 @@ from gym import OWNER, Format
 from model import TinyAgent, count_params, sample_next, sequence_log_probs, trunk
 from rollout import collate, generate, rollout_batch
 import train
+from config import fail, parse_options
 
 PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}  # dense bf16 FLOP/s from the data sheets
 
@@ -408,6 +413,9 @@ def bench_rl_step(args, sz):
 # -----------------------------------------------------------------------------
 
 
+OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,rl')
+
+
 def print_table(rows):
     print(f"{'name':<34} {'value':>12} {'baseline':>12} {'ratio':>7}  {'unit':<6} note")
     for r in rows:
@@ -417,14 +425,10 @@ def print_table(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--quick', action='store_true', help='smaller sizes, no SmolLM2 (< 3 min on 2 CPU cores)')
-    p.add_argument('--smoke', action='store_true', help='tiny sizes, one repetition: a plumbing check (tests)')
-    p.add_argument('--device', default='cpu')
-    p.add_argument('--threads', type=int, default=1, help='torch CPU threads (pinned: shared cores make 2 erratic)')
-    p.add_argument('--json', help='write the rows to this file')
-    p.add_argument('--only', default='tiny,hf,smollm2,ppo,rl', help='comma-separated subset of tiny,hf,smollm2,ppo,rl')
-    args = p.parse_args(argv)
+    opts, rest = parse_options(argv or [], OPTIONS)
+    if rest:
+        fail(f"unknown option {rest[0]!r} (bench.py takes {', '.join('--' + k for k in OPTIONS)})")
+    args = types.SimpleNamespace(**opts)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings('ignore', category=FutureWarning)  # transformers' deprecation notices, once per call site
     sz = SIZES['smoke' if args.smoke else 'quick' if args.quick else 'full']

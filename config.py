@@ -19,10 +19,10 @@ import yaml
 
 config = dict(
     # run
-    gym='bugfix',                # a file in gyms/: bugfix | memory | search | quixbugs | example
+    gym='bugfix',                # a file in gyms/: bugfix | memory | searchqa | quixbugs | example
     seed=1337,
     device='cpu',
-    dtype='float32',             # float32 | bfloat16 (autocast on CUDA)
+    dtype='float32',             # float32 | bfloat16 (autocast, on CUDA and CPU)
     threads=0,                   # torch CPU threads; 0 = torch's default
     out_dir='out',
     resume=False,                # continue from the newest checkpoint in out_dir
@@ -34,17 +34,17 @@ config = dict(
     n_layer=2, n_head=4, n_embd=128, max_len=256,
     grad_checkpointing=False,
     enable_thinking=False,       # chat templates with a thinking switch (Qwen3)
-    require_think=False,         # gym search: every turn needs <think> (always when enable_thinking)
+    require_think=False,         # gym searchqa: every turn needs <think> (always when enable_thinking)
     # rollout
     max_turns=12,
     max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
     temperature=1.0,
     keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
     # gym data and sizes
-    data='',                     # gym search: hotpotqa | bamboogle | a JSONL path of {id, question, answers}
-    prompt_style='train',        # gym search: 'train' (bare question) | 'eval' (format instructions)
-    max_obs_tokens=400,          # gym search: tokens of search results per observation
-    train_tasks=0,               # gym memory, search: training tasks, 0 = the gym's default
+    data='',                     # gym searchqa: hotpotqa | bamboogle | a JSONL path of {id, question, answers}
+    prompt_style='train',        # gym searchqa: 'train' (bare question) | 'eval' (format instructions)
+    max_obs_tokens=400,          # gym searchqa: tokens of search results per observation
+    train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
@@ -127,6 +127,24 @@ def check_key(key, value, cfg):
     if not ok:
         fail(f"config key '{key}' expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
     return float(value) if float in ok_types and not isinstance(value, bool) else value
+
+
+def parse_options(argv, defaults):
+    """A script's own options, --key=value typed by their defaults (a bare --flag sets a bool to True),
+    split from the rest of argv (YAML files and train.py's --key=value). Returns (options, rest);
+    exits 2 with one line on a bad value or a non-bool option without one."""
+    opts, rest = dict(defaults), []
+    for arg in argv:
+        key, eq, raw = arg[2:].partition('=')
+        if not arg.startswith('--') or key not in opts:
+            rest.append(arg)
+        elif not eq and isinstance(opts[key], bool):
+            opts[key] = True
+        elif not eq or raw == '':
+            fail(f'--{key} needs a value, e.g. --{key}={opts[key]}')
+        else:
+            opts[key] = check_key(key, parse_value(key, raw, opts[key]), opts)
+    return opts, rest
 
 
 def load_config(argv, defaults=config):

@@ -223,11 +223,12 @@ def sample_next(logits, temperature=1.0, generator=None):
 
 
 def autocast(cfg):
-    """bf16 autocast on CUDA when cfg['dtype'] == 'bfloat16' (parameters and optimizer stay float32);
-    a no-op elsewhere. The logp_gap_max <= 1e-5 invariant is a float32 one: in bf16 expect ~1e-2."""
-    if str(cfg.get('device', 'cpu')).startswith('cuda') and cfg.get('dtype') == 'bfloat16':
-        return torch.autocast('cuda', dtype=torch.bfloat16)
-    return torch.autocast('cpu', enabled=False)
+    """bf16 autocast when cfg['dtype'] == 'bfloat16', on CUDA and on the CPU alike, so a dtype mistake
+    shows up without a GPU (parameters and optimizer stay float32); a no-op for float32. Every forward
+    whose log-probs are compared (sampling, the update, the reference, memory rewards) runs under it.
+    The logp_gap_max <= 1e-5 invariant is a float32 one: in bf16 expect ~1e-2."""
+    device = 'cuda' if str(cfg.get('device', 'cpu')).startswith('cuda') else 'cpu'
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.get('dtype') == 'bfloat16')
 
 
 def count_params(model):
@@ -349,7 +350,8 @@ def reference_log_probs(ref_model, batch, cfg):
     lengths = batch['attention_mask'].sum(1).tolist()
     for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
         L = max(lengths[i] for i in mb)
-        out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
-                                             batch['attention_mask'][mb, :L].to(cfg['device']),
-                                             cfg['temperature']).float().cpu()
+        with autocast(cfg):  # as the policy's forward in the update: dtype rounding is not a KL
+            out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
+                                                 batch['attention_mask'][mb, :L].to(cfg['device']),
+                                                 cfg['temperature']).float().cpu()
     return out

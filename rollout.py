@@ -397,7 +397,7 @@ def answer_pieces(fmt, answer_text, open_tag='<answer>', close_tag='</answer>'):
 
 @torch.no_grad()
 def memory_rewards(model, trajs, fmt, answers, cfg):
-    """MemPO's memory reward (arXiv 2603.00680; our notes §1.3.1) for every turn t >= 2:
+    """MemPO's memory reward (arXiv 2603.00680, §3) for every turn t >= 2:
     mem_reward_t = P_mem_t - P_full_t, with P = exp(mean log p(gold answer tokens | context)),
       P_full_t: context = the full un-folded history before turn t, then turn t's <mem> span;
       P_mem_t:  context = the prompt, then turn t's <mem> span.
@@ -438,7 +438,8 @@ def memory_rewards(model, trajs, fmt, answers, cfg):
             ids[i, :len(c) + len(a)] = torch.tensor(c + a)
             attn[i, :len(c) + len(a)] = 1
             score[i, len(c) - 1:len(c) - 1 + len(a)] = torch.tensor(am, dtype=torch.float32)  # column j scores token j+1
-        logp = sequence_log_probs(model, ids.to(dev), attn.to(dev)).float().cpu()  # [b, L-1]
+        with autocast(cfg):
+            logp = sequence_log_probs(model, ids.to(dev), attn.to(dev)).float().cpu()  # [b, L-1]
         probs.append(torch.exp((logp * score).sum(1) / score.sum(1).clamp(min=1)))
     probs = torch.cat(probs).view(-1, 2)  # [pairs, (full, mem)]
     for (n, k), (p_full, p_mem) in zip(where, probs.tolist()):

@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import check_key, config, fail, load_config, parse_value
+from config import config, fail, load_config, parse_options
 from gym import OWNER, load_gym
 from model import load_policy
 from rollout import run_tasks
@@ -231,15 +231,7 @@ def write_html(path, trajs, tok, advantages=None, title='nanoagent episodes'):
 def parse_args(argv, defaults=OPTIONS):
     """Split argv into this script's options (`defaults`: names and default values) and the rest
     (train.py's config arguments). Exits 2 with one line on a bad option."""
-    opts, rest = dict(defaults), []
-    for arg in argv:
-        key, eq, raw = arg[2:].partition('=')
-        if not arg.startswith('--') or key not in opts:
-            rest.append(arg)
-        elif not eq and isinstance(opts[key], bool):
-            opts[key] = True  # a bare --greedy / --untrained / --eval
-        else:
-            opts[key] = check_key(key, parse_value(key, raw, opts[key]), opts)
+    opts, rest = parse_options(argv, defaults)
     if opts['split'] not in ('heldout', 'train'):
         fail(f"--split must be heldout or train, got {opts['split']!r}")
     for key in ('n', 'samples', 'batch'):

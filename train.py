@@ -279,8 +279,9 @@ def warm_start(model, gym_, cfg, rng):
         idx = torch.tensor([r for _ in range(cfg['warmstart_batch_size']) for r in rows_of[rng.randrange(n)]])
         L = int(batch['attention_mask'][idx].sum(1).max())
         am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
-        logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
-                                  batch['attention_mask'][idx, :L].to(cfg['device']))
+        with autocast(cfg):
+            logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
+                                      batch['attention_mask'][idx, :L].to(cfg['device']))
         loss = -(logp * am).sum() / am.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -314,7 +315,10 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
             for p in old:
                 os.remove(p)
         t0 = time.time()
-        sft_loss = warm_start(model, gym_, cfg, rng)  # identical on every rank (same seed, same data)
+        try:
+            sft_loss = warm_start(model, gym_, cfg, rng)  # identical on every rank (same seed, same data)
+        except ValueError as e:  # a scripted text the gym's tokenizer cannot encode (a word outside the vocabulary)
+            fail(f'warm start: {e}')
         if sft_loss is not None and rank() == 0:
             print(f'warm start: {cfg["warmstart_steps"]} steps, final loss {sft_loss:.3f}, {time.time() - t0:.0f}s')
         ref_model = copy.deepcopy(model).eval() if cfg['kl_coef'] else None

@@ -1,7 +1,7 @@
 """
-The smallest gym, and the one to copy: guess a secret number from 0 to 15 in max_turns turns with
-one tool, `<call> guess N </call>`, answered `higher`, `lower` or `correct`. The warm start imitates
-a player who guesses any number the answers so far allow; RL can learn to halve the interval.
+The smallest gym, and the one to copy: guess a secret number from 0 to 7 in max_turns turns with one
+tool, `<call> guess N </call>`, answered `higher`, `lower` or `correct`. The warm start imitates a
+player who guesses any number the answers so far allow (binary search would always win in 4 turns).
 
     python train.py config/example.yaml
 
@@ -13,7 +13,7 @@ from gym import build_tokenizer, word_format
 
 MODEL = 'tiny'  # the gym builds its own word vocabulary, for the tiny model
 KEYS = ()       # gym-specific config keys this gym reads (none)
-N = 16
+N = 8
 PROMPT = f'guess my number from 0 to {N - 1}'
 
 
@@ -55,7 +55,7 @@ def setup(cfg, vocab=None):
     """What train.py needs from this gym (gym.py, "the contract")."""
     texts = [PROMPT, 'higher lower correct error : malformed call <call> guess </call>'] + [str(n) for n in range(N)]
     tok = build_tokenizer(texts, vocab)
-    secrets = list(range(N))  # a toy: held-out episodes draw the same 16 secrets as training
+    secrets = list(range(N))  # a toy: held-out episodes draw the same secrets as training
     return dict(tok=tok, fmt=word_format(tok), train_tasks=secrets, eval_tasks=secrets,
                 make_env=lambda: GuessEnv(cfg['max_turns']), warm_policy=consistent_guesser,
                 baselines={}, answer_text=None)

@@ -265,16 +265,14 @@ def parse_ast(source, mode="exec"):
 
 
 def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):
-    """
-    Run all runnable cases of `task` against `source` (str) in one sandbox process.
+    """Run all runnable cases of `task` against `source` (str) in one sandbox process.
     case_timeout_s: CPU seconds per case (ITIMER_PROF in the child); total_timeout_s: wall seconds for
     the whole process. Returns a dict (shared with the cache: do not mutate):
       load_error: str or None (the program did not compile / import / define the function)
       cases: {test index: dict(status, got, error)} for every index in task.run_ids, status one of
              'pass', 'wrong', 'error', 'timeout', 'not_run' (after a timeout or a crash)
       passed: int, total: int, sandbox: the sandbox's killed_reason, wall_s: float.
-    Cached by (program, source, limits). Never raises for anything the program does.
-    """
+    Cached by (program, source, limits). Never raises for anything the program does."""
     key = hashlib.sha256(repr((task.name, task.compare, task.run_ids, source, case_timeout_s,
                                total_timeout_s)).encode()).hexdigest()
     with _CACHE_LOCK:
@@ -375,12 +373,10 @@ def format_tool_call(name, arguments=None):
 
 
 def parse_tool_call(text):
-    """
-    Parse the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a policy turn.
+    """Parse the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a policy turn.
     A missing closing tag is tolerated (generation may stop on the end-of-turn token); `arguments`
     may also be a JSON string. Returns (name, args dict) or an error string starting with 'error:'.
-    Never raises.
-    """
+    Never raises."""
     try:
         return _parse_tool_call(text)
     except Exception as e:  # e.g. RecursionError on absurdly nested JSON
@@ -442,14 +438,12 @@ def numbered(source):
 
 
 class QuixBugsEnv:
-    """
-    One episode on one QuixBugs program (see the module docstring). `step` never raises on model
+    """One episode on one QuixBugs program (see the module docstring). `step` never raises on model
     output: a malformed call, an unknown tool or bad arguments give an 'error: ...' observation, count
     in info['n_invalid'] and use a turn, as does a turn cut at the response limit (finish='length'),
     whose call is never run; a failed edit (text absent or ambiguous) is an observation too
     and counts in info['n_failed_edits']. max_turns: optional budget of the env itself (None: the
-    rollout's limit only); exceeding it ends the episode with stop='max_turns' and reward 0.
-    """
+    rollout's limit only); exceeding it ends the episode with stop='max_turns' and reward 0."""
 
     def __init__(self, case_timeout_s=4.0, total_timeout_s=20.0, max_turns=None):
         self.case_timeout_s, self.total_timeout_s, self.max_turns = case_timeout_s, total_timeout_s, max_turns
@@ -587,9 +581,8 @@ def scripted_actions(task, policy="oracle"):
     return ([format_tool_call("read")] + [format_tool_call("edit", e) for e in edits]
             + [format_tool_call("test"), format_tool_call("submit")])
 
-# -----------------------------------------------------------------------------
-# the gym contract (gym.py)
 
+# ----------------------------------------------------------------------------- the gym contract (gym.py)
 
 def setup(cfg, vocab=None):
     """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the

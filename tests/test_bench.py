@@ -14,7 +14,7 @@ KEYS = {'name', 'value', 'baseline', 'ratio', 'unit'}
 
 def run_smoke(tmp_path, only):
     path = tmp_path / 'bench.json'
-    bench.main(['--smoke', '--only', only, '--json', str(path)])
+    bench.main(['--smoke', f'--only={only}', f'--json={path}'])
     torch.set_num_threads(1)  # main pinned it already; keep the rest of the suite on one thread either way
     return json.loads(path.read_text())
 

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gym
-from gyms import bugfix, sandbox
+from gyms import bugfix, bugfix_code as code, sandbox
 
 TRAIN, HELDOUT = bugfix.make_tasks('train'), bugfix.make_tasks('heldout')
 ALL = TRAIN + HELDOUT
-bugfix.precompute_results(ALL)
+code.precompute_results(ALL)
 TOK = bugfix.bugfix_tokenizer()
 
 
@@ -24,7 +24,7 @@ def episodes(kind, tasks, seeds):
 def test_specials_have_fixed_ids_and_round_trip():
     assert TOK.itos[:16] == gym.SPECIALS
     assert (TOK.pad_id, TOK.bos_id, TOK.unk_id, TOK.obs_id, TOK.obs_end_id, TOK.call_id, TOK.call_end_id) == tuple(range(7))
-    text = bugfix.compact(ALL[0].source)
+    text = code.compact(ALL[0].source)
     assert TOK.decode(TOK.encode(text)) == text
     assert TOK.encode('<call> edit swap_minmax </call>')[0] == 5
     with pytest.raises(ValueError, match="word 'banana' is not in the tiny vocabulary"):
@@ -42,8 +42,8 @@ def test_no_unk_in_any_observation_or_call(kind):
 
 def test_observations_are_short():
     for t in ALL:
-        for src in bugfix.reachable_sources(t.source):
-            assert len(bugfix.read_observation(src).split()) <= 40
+        for src in code.reachable_sources(t.source):
+            assert len(code.read_observation(src).split()) <= 40
             assert len(bugfix.report_tests(t, src).split()) <= 33
 
 
@@ -54,37 +54,37 @@ def test_observations_are_short():
 def test_heldout_functions_never_in_train():
     train_names = {t.template for t in TRAIN}
     assert train_names.isdisjoint({t.template for t in HELDOUT}) and len({t.template for t in HELDOUT}) >= 6
-    codes = {tpl.code for tpl in bugfix.TEMPLATES if tpl.name in train_names}
-    assert not any(tpl.code in codes for tpl in bugfix.TEMPLATES if tpl.name in bugfix.HELDOUT)
+    codes = {tpl.code for tpl in code.TEMPLATES if tpl.name in train_names}
+    assert not any(tpl.code in codes for tpl in code.TEMPLATES if tpl.name in code.HELDOUT)
 
 
-GENERATED = bugfix.generated_templates(30)
+GENERATED = code.generated_templates(30)
 
 
 def test_generated_functions_are_valid_and_never_heldout():
-    assert bugfix.generated_templates(30) == GENERATED and bugfix.generated_templates(30, seed=1) != GENERATED
+    assert code.generated_templates(30) == GENERATED and code.generated_templates(30, seed=1) != GENERATED
     assert len({tpl.code for tpl in GENERATED}) == 30 and [t.name for t in GENERATED] == [f'gen{k}' for k in range(30)]
-    held = bugfix._heldout_forms()
+    held = code._heldout_forms()
     assert len(held) >= 8 * 4  # every held-out function and its edited forms
     for tpl in GENERATED:
         task = bugfix.make_task(tpl, 0, 0)
         assert task.source != task.fixed and len(task.hidden) == 6
-        assert len(bugfix._involutive_ops(task.fixed)) == 3
-        assert not {bugfix._renamed(x) for x in bugfix.reachable_sources(task.fixed)} & held
-        assert all(r is not None for r in bugfix.run_cases(task.fixed, task.hidden))   # runs on every case
-        assert not bugfix.all_pass(bugfix.check(task, task.source))                        # the bug shows in `test`
-        assert all(len(bugfix.read_observation(x).split()) <= 40 for x in bugfix.reachable_sources(task.source))
+        assert len(code.involutive_ops(task.fixed)) == 3
+        assert not {code._renamed(x) for x in code.reachable_sources(task.fixed)} & held
+        assert all(r is not None for r in code.run_cases(task.fixed, task.hidden))     # runs on every case
+        assert not code.all_pass(code.check(task, task.source))                        # the bug shows in `test`
+        assert all(len(code.read_observation(x).split()) <= 40 for x in code.reachable_sources(task.source))
     # the check above can fail: a held-out function's code is one of the forms it rejects
     clamp = next(t for t in HELDOUT if t.template == 'clamp')  # variant names, not the canonical ones
-    assert bugfix._renamed(clamp.source) in held and bugfix._renamed(clamp.fixed) in held
+    assert code._renamed(clamp.source) in held and code._renamed(clamp.fixed) in held
 
 
 def test_generated_functions_join_training_only():
     train = bugfix.make_tasks('train', n_variants=2, n_generated=30)
     gen = [t for t in train if t.template.startswith('gen')]
-    assert len(gen) == 30 * min(2, bugfix.GEN_VARIANTS) and len(train) == len(gen) + len(bugfix.TEMPLATES) * 2 - 2 * len(bugfix.HELDOUT)
+    assert len(gen) == 30 * min(2, bugfix.GEN_VARIANTS) and len(train) == len(gen) + len(code.TEMPLATES) * 2 - 2 * len(code.HELDOUT)
     assert {t.template for t in gen} == {tpl.name for tpl in GENERATED}
-    assert all(bugfix.all_pass(bugfix.check(t, bugfix.apply_op(t.source, t.bug), hidden=True)) for t in gen)
+    assert all(code.all_pass(code.check(t, code.apply_op(t.source, t.bug), hidden=True)) for t in gen)
     assert bugfix.make_tasks('heldout', n_variants=2) == bugfix.make_tasks('heldout', n_variants=2)
     assert not any(t.template.startswith('gen') for t in bugfix.make_tasks('all', n_variants=1))
     # the tokenizer bugfix.setup builds covers every text of the scripted policies on them: no <unk>
@@ -107,19 +107,19 @@ def test_training_sources_do_not_tell_the_repair():
     differs from it solves every held-out-style (natural) task; on training tasks it must be no better
     than a coin, or RL learns that instead of reading the tests (what the prototype did)."""
     def canonical(t):
-        tpl = next(x for x in bugfix.TEMPLATES if x.name == t.template)
+        tpl = next(x for x in code.TEMPLATES if x.name == t.template)
         return bugfix.make_task(tpl, 0, int(t.id.split('/')[-1])).fixed
 
     def memoriser_success(tasks):
         wins = 0
         for t in tasks:
-            op = next((op for op in bugfix.EDIT_OPS if bugfix.apply_op(t.source, op) == canonical(t)), None)
-            wins += op is not None and bugfix.all_pass(bugfix.check(t, bugfix.apply_op(t.source, op), hidden=True))
+            op = next((op for op in code.EDIT_OPS if code.apply_op(t.source, op) == canonical(t)), None)
+            wins += op is not None and code.all_pass(code.check(t, code.apply_op(t.source, op), hidden=True))
         return wins / len(tasks)
     assert memoriser_success(HELDOUT) == 1.0
     assert memoriser_success(TRAIN) <= 0.5
     for t in TRAIN:  # the wanted sibling is a working function: no case raises
-        assert all(r is not None for r in bugfix.run_cases(t.fixed, t.hidden))
+        assert all(r is not None for r in code.run_cases(t.fixed, t.hidden))
     wants_template = sum(t.fixed == canonical(t) for t in TRAIN) / len(TRAIN)  # the rest want a sibling
     assert 0.05 <= wants_template <= 0.5
     # and the tests still decide: a test-driven policy can reach >= 0.95 on the training tasks
@@ -131,37 +131,37 @@ def test_read_lists_the_applicable_edits_in_one_fixed_order():
         env = bugfix.BugFixEnv()
         env.reset(t)
         obs = env.step('<call> read </call>')[0]
-        listed = bugfix.listed_ops(obs)
-        assert listed == bugfix.applicable_ops(bugfix.compact(t.source)) and len(listed) >= 2
-        assert listed == [op for op in bugfix.EDIT_OPS if bugfix.apply_op(env.source, op) is not None]  # EDIT_OPS order
+        listed = code.listed_ops(obs)
+        assert listed == code.applicable_ops(code.compact(t.source)) and len(listed) >= 2
+        assert listed == [op for op in code.EDIT_OPS if code.apply_op(env.source, op) is not None]  # EDIT_OPS order
         assert env.step('<call> read </call>')[0] == obs
     for ep in episodes('warmstart', ALL, [0]):  # the warm start copies the whole list, in its order
         edits = [a.split()[2] for a in ep['actions'] if a.split()[1] == 'edit']
-        assert edits == bugfix.listed_ops(ep['observations'][0])
+        assert edits == code.listed_ops(ep['observations'][0])
         assert [a.split()[1] for a in ep['actions']].count('test') == len(edits)  # every edit tested
-    assert bugfix.listed_ops('ok') == []
+    assert code.listed_ops('ok') == []
 
 
 def test_edits_deterministic_involutions_and_bug_op_repairs():
     kinds = {t.bug for t in ALL}
     assert len(kinds) >= 6
     for t in ALL:
-        assert bugfix.apply_op(t.source, t.bug) == t.fixed
-        for op in bugfix.EDIT_OPS:
-            new = bugfix.apply_op(t.source, op)
-            assert new == bugfix.apply_op(t.source, op)
-            assert new is None or bugfix.apply_op(new, op) == t.source
-        assert 2 <= len(bugfix.applicable_ops(bugfix.compact(t.source))) <= 3  # decoys, and tester fits the budget
+        assert code.apply_op(t.source, t.bug) == t.fixed
+        for op in code.EDIT_OPS:
+            new = code.apply_op(t.source, op)
+            assert new == code.apply_op(t.source, op)
+            assert new is None or code.apply_op(new, op) == t.source
+        assert 2 <= len(code.applicable_ops(code.compact(t.source))) <= 3  # decoys, and tester fits the budget
 
 
 def test_hand_written_ops():
     src = 'def f ( a ) :\n    s = 0\n    for i in range ( a ) : s += i\n    return s'
-    assert bugfix.apply_op(src, 'fix_range_end') == 'def f ( a ) :\n    s = 0\n    for i in range ( a + 1 ) : s += i\n    return s'
-    assert bugfix.apply_op(src, 'fix_init').split('\n')[1] == '    s = 1'
-    assert bugfix.apply_op(src, 'fix_operator').split('\n')[2] == '    for i in range ( a ) : s -= i'
-    assert bugfix.apply_op(src, 'swap_minmax') is None
+    assert code.apply_op(src, 'fix_range_end') == 'def f ( a ) :\n    s = 0\n    for i in range ( a + 1 ) : s += i\n    return s'
+    assert code.apply_op(src, 'fix_init').split('\n')[1] == '    s = 1'
+    assert code.apply_op(src, 'fix_operator').split('\n')[2] == '    for i in range ( a ) : s -= i'
+    assert code.apply_op(src, 'swap_minmax') is None
     # the `+ 1` of a range end is not an operator site
-    assert bugfix.apply_op('def f ( a ) :\n    return range ( a + 1 )', 'fix_operator') is None
+    assert code.apply_op('def f ( a ) :\n    return range ( a + 1 )', 'fix_operator') is None
 
 
 # -----------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_oracle_solves_every_task_and_blind_never():
 
 def test_buggy_source_fails_public_tests():
     for t in ALL:
-        k, n, first = bugfix.check(t, t.source)
+        k, n, first = code.check(t, t.source)
         assert k < n and first is not None
 
 
@@ -196,7 +196,7 @@ def test_tester_reaches_ninety_percent_on_heldout():
 def test_invalid_calls_cost_a_turn_and_episode_continues():
     env = bugfix.BugFixEnv(max_turns=12)
     env.reset(HELDOUT[0])
-    absent = next(op for op in bugfix.EDIT_OPS if op not in bugfix.applicable_ops(bugfix.compact(HELDOUT[0].source)))
+    absent = next(op for op in code.EDIT_OPS if op not in code.applicable_ops(code.compact(HELDOUT[0].source)))
     cases = [('read the code', 'error : malformed call'), ('<call> run </call>', 'error : unknown tool'),
              ('<call> edit banana </call>', 'error : unknown op'), ('<call> edit </call>', 'error : malformed call'),
              ('<call> read now </call>', 'error : malformed call'), ('<call> undo </call>', 'error : nothing to undo'),
@@ -205,7 +205,7 @@ def test_invalid_calls_cost_a_turn_and_episode_continues():
         obs, reward, done, info = env.step(text)
         assert (obs, reward, done, info['n_turns'], info['n_invalid']) == (want, 0.0, False, n, n)
     obs, _, done, info = env.step('<call>   read </call>')
-    assert obs == bugfix.read_observation(HELDOUT[0].source) and not done and info['n_invalid'] == len(cases)
+    assert obs == code.read_observation(HELDOUT[0].source) and not done and info['n_invalid'] == len(cases)
 
 
 def test_edit_test_undo_cycle():
@@ -252,13 +252,13 @@ def test_results_are_cached(monkeypatch):
     calls = []
     real = sandbox.run_python
     monkeypatch.setattr(sandbox, 'run_python', lambda *a, **k: calls.append(1) or real(*a, **k))
-    bugfix.precompute_results([task])  # what make_tasks did not run yet: at most one process
+    code.precompute_results([task])  # what make_tasks did not run yet: at most one process
     assert len(calls) <= 1
     n = len(calls)
-    assert bugfix.precompute_results([task]) == 0
+    assert code.precompute_results([task]) == 0
     env = bugfix.BugFixEnv()
     env.reset(task)
-    for op in bugfix.EDIT_OPS:
+    for op in code.EDIT_OPS:
         env.step(f'<call> edit {op} </call>')
         env.step('<call> test </call>')
     assert len(calls) == n
@@ -266,9 +266,9 @@ def test_results_are_cached(monkeypatch):
 
 def test_infinite_loop_and_exception_are_errors_not_hangs():
     src = 'def f ( a ) :\n    while a > 0 : a = a + 1\n    return 1 // a'
-    assert bugfix.run_cases(src, ((1,), (0,), (-1,))) == [None, None, ('-1', '-1')]  # endless loop, ZeroDivisionError
-    assert bugfix.value_words([1, 2, 3, 4, 5, 6, 7, 900]) == '[ 1 , 2 , 3 , 4 , 5 , 6 , ... ]'
-    assert bugfix.value_words((-7000, True, None, 'x', [])) == '( -huge , True , None , other , [ ] )'
+    assert code.run_cases(src, ((1,), (0,), (-1,))) == [None, None, ('-1', '-1')]  # endless loop, ZeroDivisionError
+    assert code.value_words([1, 2, 3, 4, 5, 6, 7, 900]) == '[ 1 , 2 , 3 , 4 , 5 , 6 , ... ]'
+    assert code.value_words((-7000, True, None, 'x', [])) == '( -huge , True , None , other , [ ] )'
 
 
 # -----------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_cut_turn_is_a_malformed_call_whatever_its_text():
         obs, reward, done, info = env.step(text, 'length')  # well formed, yet not run
         assert (obs, reward, done, info['n_turns'], info['n_invalid'], info['n_edits']) == \
             ('error : malformed call', 0.0, False, n, n, 0)
-    assert env.source == t.source and env.step('<call> read </call>')[0] == bugfix.read_observation(t.source)
+    assert env.source == t.source and env.step('<call> read </call>')[0] == code.read_observation(t.source)
 
 
 CUT_WORDS = [TOK.stoi[w] for w in ['<call>', '</call>', 'edit', 'read', 'undo', 'test', 'submit', 'fix_init',

@@ -38,7 +38,7 @@ def reinforce_pp_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
 
 
 def example_setup(**over):
-    cfg = train.load_config(['config/example.yaml', '--warmstart_episodes=64', '--warmstart_steps=20',
+    cfg = train.load_config(['config/example.yaml', '--warmstart_episodes=256', '--warmstart_steps=200',
                              '--batch_size=4', '--group_size=4', *[f'--{k}={v}' for k, v in over.items()]])
     torch.manual_seed(cfg['seed'])
     gym_ = load_gym(cfg)
@@ -48,12 +48,14 @@ def example_setup(**over):
 
 
 def test_example_gym_trains_from_its_config(tmp_path):
-    """python train.py config/example.yaml: the warm start guesses any allowed number; RL learns to
-    find the secret more often (held-out success at the last step above step 0's)."""
+    """python train.py config/example.yaml end to end: the warm start learns to use the answers
+    (held-out success well above the 0.41 of four blind guesses at 8 numbers), RL runs its 30 steps
+    with exact sampler log-probs, and the run ends with the summary."""
     train.main(['config/example.yaml', f'--out_dir={tmp_path}'])
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
-    assert rows[0]['step'] == 0 and rows[-1]['step'] == 30
-    assert rows[-1]['eval_success_rate'] >= rows[0]['eval_success_rate'] + 0.1, (rows[0], rows[-1])
+    assert [r['step'] for r in rows[:2]] == [0, 1] and rows[-1]['step'] == 30
+    assert rows[0]['eval_success_rate'] >= 0.55 and rows[-1]['eval_success_rate'] >= 0.55, (rows[0], rows[-1])
+    assert all(r['logp_gap_max'] <= 1e-5 and r['bad_steps'] == 0 for r in rows[1:])
 
 
 def test_gspo_is_a_small_change_of_policy_loss(monkeypatch):
@@ -65,7 +67,7 @@ def test_gspo_is_a_small_change_of_policy_loss(monkeypatch):
     logp = torch.tensor([[-0.8, -1.6]], requires_grad=True)
     mask = torch.ones(1, 2)
     loss, st = gspo_policy_loss(logp, old, torch.ones(1, 2), mask, mask / 2, cfg)
-    assert abs(float(loss) + torch.exp(torch.tensor(-0.2))) < 1e-6
+    assert abs(float(loss.detach()) + torch.exp(torch.tensor(-0.2))) < 1e-6
     assert torch.allclose(st['ratio'], torch.exp(torch.tensor(-0.2)).expand(1, 2))
     loss.backward()  # d/dlogp_t of -(1/2) sum_t s * exp(logp_t - sg(logp_t)) = -s / 2 on each token
     assert torch.allclose(logp.grad, -torch.exp(torch.tensor(-0.2)).expand(1, 2) / 2)

@@ -31,7 +31,7 @@ def load_fails(capsys, cfg, **kw):
 
 
 def test_the_gyms_are_found():
-    assert {'bugfix', 'memory', 'searchqa', 'quixbugs'} <= set(GYMS) and 'sandbox' not in GYMS
+    assert {'bugfix', 'memory', 'searchqa', 'quixbugs'} <= set(GYMS) and not {'sandbox', 'bugfix_code'} & set(GYMS)
 
 
 @pytest.mark.parametrize('name', sorted(GYMS))
@@ -147,3 +147,16 @@ def test_a_checkpoint_vocabulary_that_lacks_a_word_of_the_gym(capsys):
         "the checkpoint's vocabulary lacks 1 words of gym 'memory' (e.g. 'ada')"
     tok = build_tokenizer(['b a'], vocab=['<pad>', 'x', 'a', 'b'])  # the checkpoint's ids, not sorted ones
     assert tok.encode('a b') == [17, 18] and tok.missing == []
+
+
+def test_a_scripted_word_outside_the_vocabulary_stops_before_rl(tmp_path, monkeypatch, capsys):
+    """The example gym with a scripted player that guesses 17 (not a word of its texts): the warm start
+    stops the run with one line naming the word (it used to train on 'guess <unk>')."""
+    import gyms.example as ex
+    import train
+    monkeypatch.setattr(ex, 'consistent_guesser', lambda rng: (lambda ep: '<call> guess 17 </call>'))
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1
+    assert err.startswith("error: warm start: word '17' is not in the tiny vocabulary") and not (tmp_path / 'metrics.jsonl').exists()

@@ -10,6 +10,7 @@ Nothing is fetched from a hub.
 """
 import copy
 import json
+import math
 import os
 import random
 import subprocess
@@ -379,3 +380,17 @@ def test_smollm2_two_rl_steps_on_searchqa_and_export(tmp_path):
     etok = AutoTokenizer.from_pretrained(out / 'hf')
     assert etok.eos_token_id == etok.pad_token_id == 2 and hf.stop_ids(etok) == [2] and len(etok) == 49152
     assert exported.config.vocab_size == 49152
+
+
+def test_bf16_autocast_runs_on_cpu(tmp_path):
+    """dtype: bfloat16 takes the GPU's autocast path on the CPU too, so a dtype mistake fails in CPU CI:
+    tiny Qwen3 (real vocabulary) on HotpotQA with MemPO and the KL reference, 2 RL steps. The sampler,
+    the update and the reference all run under the same autocast: the log-prob gap is bf16 rounding
+    (well under 0.1), the first step's KL is rounding too, and no step is skipped."""
+    train.main(['config/tiny_qwen3_hotpotqa.yaml', '--dtype=bfloat16', '--threads=1', '--eval_tasks=2',
+                f'--out_dir={tmp_path}'])
+    rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+    assert [r['step'] for r in rows] == [1, 2] or [r['step'] for r in rows][-2:] == [1, 2]
+    for r in rows[-2:]:
+        assert r['bad_steps'] == 0 and 0 < r['logp_gap_max'] < 0.1 and math.isfinite(r['loss'])
+    assert abs(rows[-2]['kl']) < 1e-2

@@ -230,7 +230,7 @@ def test_plot_metrics_writes_png(tmp_path):
 def test_plot_metrics_without_matplotlib(tmp_path, monkeypatch, capsys):
     write_metrics(tmp_path / 'metrics.jsonl')
     monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)  # import now raises ImportError
-    monkeypatch.setattr(sample, '_NOTICES', set())
+    monkeypatch.setattr(report, '_NOTICES', set())
     assert report.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None
     assert report.plot_metrics(str(tmp_path / 'metrics.jsonl'), str(tmp_path / 'c.png')) is None  # next eval
     assert capsys.readouterr().out.count('matplotlib is not installed') == 1 and not (tmp_path / 'c.png').exists()
