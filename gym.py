@@ -387,6 +387,18 @@ def validate_format(turns, require_think=False):
     return True, "ok"
 
 
+def score_episode(answer, golds, turns, require_think=False, cut=()):
+    """An answer-and-<mem> episode's numbers: score_answers of the answer (all 0 when there is none),
+    and whether its turns keep the format (validate_format; a turn cut at the response length limit,
+    listed in cut, breaks it even when its text happens to be well formed). Returns (scores dict,
+    format_ok, reason)."""
+    s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
+    ok, reason = validate_format(turns, require_think)
+    if ok and cut:
+        ok, reason = False, f'turn {cut[0]}: cut at the response length limit'
+    return s, ok, reason
+
+
 def extract_tag(text, tag):
     """The stripped content of the single <tag> block of one turn, or None when there are zero or
     several such blocks or tags inside it."""

@@ -160,16 +160,29 @@ def load_smollm2_tokenizer():
     return render_tools_template(tok)
 
 
-def load_tokenizer(name):
+def offline_hint():
+    """What to check when a model does not load: the hub is reachable only without HF_HUB_OFFLINE."""
+    if os.environ.get('HF_HUB_OFFLINE', '0') not in ('', '0'):
+        return 'HF_HUB_OFFLINE is set: only a local path or a model already in the Hugging Face cache loads'
+    return 'a hub name needs the network; offline, set HF_HUB_OFFLINE=1 and give a local path'
+
+
+def load_tokenizer(name, gguf_file=''):
     """The tokenizer for a policy name: 'tiny-qwen3' (a random tiny model for offline tests) uses the
     real Qwen3 tokenizer; 'smollm2' the packaged SmolLM2-135M-Instruct; anything else is a Hugging
-    Face name or path. Templates without tool support get ours (render_tools_template)."""
+    Face name or path (with gguf_file: the tokenizer inside that gguf file, as the weights). Templates
+    without tool support get ours (render_tools_template). Raises OSError, one line naming the model,
+    when it cannot be loaded."""
     if name == 'tiny-qwen3':
         return qwen_tokenizer()
     if name == 'smollm2':
         return load_smollm2_tokenizer()
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **({'gguf_file': gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as e:  # unknown name, no network, not a model folder
+        raise OSError(f"cannot load the tokenizer of model {name!r}{' (gguf_file ' + repr(gguf_file) + ')' if gguf_file else ''}: "
+                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__} ({offline_hint()})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return render_tools_template(tok)

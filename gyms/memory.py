@@ -23,7 +23,7 @@ What it deliberately simplifies:
 import random
 from dataclasses import dataclass, field
 
-from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem, extract_tag, score_answers,
+from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem, extract_tag, score_episode,
                  validate_format, word_format)
 
 MODEL = 'tiny'
@@ -198,11 +198,7 @@ class MemoryEnv:
         return obs, 0.0, False, info
 
     def _finish(self, stop, answer):
-        golds = self.task.golds
-        s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
-        ok, reason = validate_format(self.turns, self.require_think)
-        if ok and self.cut:  # a cut turn whose text happens to be well formed still breaks the format
-            ok, reason = False, f"turn {self.cut[0]}: cut at the response length limit"
+        s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         reward = float(s["em_count"]) if ok and stop == "answer" else 0.0
         # success = every objective right AND a valid format: what the reward pays for in full
         info = dict(stop=stop, success=reward == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hf
-from gym import read_jsonl, score_answers, validate_format
+from gym import read_jsonl, score_episode, validate_format
 
 MODEL = 'hf'
 KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking')
@@ -300,11 +300,7 @@ class SearchQAEnv:
         return obs, 0.0, False, dict(n_turns=len(self.turns), n_invalid=self.n_invalid, n_search=self.n_search)
 
     def _finish(self, stop, answer):
-        golds = self.task.golds
-        s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
-        ok, reason = validate_format(self.turns, self.require_think)
-        if ok and self.cut:  # a cut turn whose text happens to be well formed still breaks the format
-            ok, reason = False, f'turn {self.cut[0]}: cut at the response length limit'
+        s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         if ok and self.require_search and self.n_search == 0:
             ok, reason = False, 'answered without searching'
         reward = float(s['em_count']) if ok and stop == 'answer' else 0.0
@@ -326,7 +322,7 @@ def setup(cfg, vocab=None):
     eval_tasks of each split (0 = all); the policy's own tokenizer and chat template. No warm start."""
     train_tasks = make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
     eval_tasks = make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
-    tok = hf.load_tokenizer(cfg['model'])
+    tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'])
     stable, detail = hf.check_prefix_stability(tok, enable_thinking=cfg['enable_thinking'])
     if not stable and os.environ.get('RANK', '0') == '0':  # we never re-render: every turn trains in the context it was sampled in
         print(f'chat template rewrites history ({detail}); contexts are kept per turn as sampled')

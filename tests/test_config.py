@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ ROOT = __file__.rsplit('/tests/', 1)[0]
 
 
 def run_train(*args):
-    return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, HF_HUB_OFFLINE='1'))
 
 
 @pytest.mark.parametrize('args, needle', [
@@ -27,6 +29,13 @@ def run_train(*args):
     (['--n_head=3'], "config key 'n_head' (3) must divide n_embd (128)"),
     (['--mem_coef=1'], "config key 'mem_coef' (1.0) needs a gym whose turns write <mem> (memory, searchqa), not 'bugfix'"),
     (['--threads=100000'], "config key 'threads' (100000) is more than this machine's"),
+    (['--lr=abc'], "config key 'lr' expects float, got 'abc'"),
+    (['--train_variants=3', '--gym=memory'], "config key 'train_variants' is not used by gym 'memory'"),
+    (['--gym=sandbox'], "unknown gym 'sandbox' (bugfix, example, memory, quixbugs, searchqa)"),
+    (['--gym=searchqa'], "gym 'searchqa' needs a Hugging Face chat model"),
+    (['--model=smollm2'], "gym 'bugfix' builds its own word vocabulary for model: tiny, not 'smollm2'"),
+    (['--gym=searchqa', '--model=no-such-org/no-such-model'],
+     "cannot load the tokenizer of model 'no-such-org/no-such-model'"),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
     p = run_train(*args)
