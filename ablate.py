@@ -59,7 +59,7 @@ def parse_args(argv):
         try:
             opts[key] = [int(x) for x in str(opts[key]).split(',')]
         except ValueError:
-            fail(f'--{key} takes integers separated by commas, got {opts[key]!r}')
+            fail(f"--{key} takes {'one integer' if key == 'jobs' else 'integers separated by commas'}, got {opts[key]!r}")
     if len(set(opts['seeds'])) != len(opts['seeds']):
         fail(f"--seeds repeats a seed: {','.join(map(str, opts['seeds']))} (one run, one out_dir per seed)")
     if min(opts['ks']) < 1:
@@ -85,7 +85,8 @@ def final_eval(metrics_path):
 def run_config(config, variant, seed, out_dir, extra):
     """(train.py command, the config dict it will run with) for one run. A bad key or value in
     extra, or a missing config file, stops here with train.py's one-line error, before any run."""
-    args = [config, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', *extra]
+    # --overwrite: ablate decided to (re)run this out_dir, so an earlier run's checkpoints there go
+    args = [config, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
     return [sys.executable, 'train.py', *args], load_config(args)
 
 
@@ -100,7 +101,7 @@ def is_finished(out_dir, cfg):
         saved = json.load(open(cfg_path))
     except ValueError:
         return False
-    same = all(saved.get(k) == v for k, v in cfg.items() if k not in ('device', 'resume'))
+    same = all(saved.get(k) == v for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite'))
     return same and last['step'] == cfg['steps']
 
 

@@ -425,7 +425,11 @@ def print_table(rows):
 
 
 def main(argv=None):
+    if any(a in ('-h', '--help') for a in argv or []):
+        return print(__doc__.strip())
     opts, rest = parse_options(argv or [], OPTIONS)
+    if not set(opts['only'].split(',')) <= set(OPTIONS['only'].split(',')):
+        fail(f"--only={opts['only']}: choose from {OPTIONS['only']}")
     if rest:
         fail(f"unknown option {rest[0]!r} (bench.py takes {', '.join('--' + k for k in OPTIONS)})")
     args = types.SimpleNamespace(**opts)

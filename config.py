@@ -11,6 +11,7 @@ checked by gym.load_gym against the keys the chosen gym reads.
 """
 
 import difflib
+import math
 import os
 import sys
 
@@ -189,9 +190,16 @@ def load_config(argv, defaults=config):
         if cfg[key] < 1:
             fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
     for key in ('threads', 'eval_every', 'log_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
-                'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr'):
+                'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
+                'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):
         if cfg[key] < 0:
             fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
+    for key, value in cfg.items():  # nan and inf pass every comparison below and end in a traceback later
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"config key '{key}' must be a finite number, got {value!r}")
+    for key in ('beta1', 'beta2'):
+        if not 0 <= cfg[key] < 1:
+            fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")
     if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
         fail(f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
     if cfg['threads'] > (os.cpu_count() or 1):

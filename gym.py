@@ -63,11 +63,18 @@ def fail(msg):
     sys.exit(2)
 
 
-def gym_modules():
-    """{name: module} of every gyms/<name>.py that defines setup, by name (gyms/sandbox.py is a tool)."""
+def gym_modules(broken=None):
+    """{name: module} of every gyms/<name>.py that defines setup, by name (gyms/sandbox.py is a tool).
+    A file that does not import is left out, so one half-written gym cannot stop the others; its
+    error goes into `broken` ({name: one line}) when a dict is given."""
     mods = {}
     for path in sorted(GYMS.glob('[!_]*.py')):
-        mod = importlib.import_module(f'gyms.{path.stem}')
+        try:
+            mod = importlib.import_module(f'gyms.{path.stem}')
+        except Exception as e:  # a syntax error, a missing package: reported only when this gym is asked for
+            if broken is not None:
+                broken[path.stem] = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+            continue
         if hasattr(mod, 'setup'):
             mods[path.stem] = mod
     return mods
@@ -82,15 +89,21 @@ def load_gym(cfg, vocab=None, defaults=None):
     unused gym-specific key, mem_coef > 0 without answer_text, bad data (OSError or ValueError from
     setup), a missing key in setup's dict, an empty split, a checkpoint vocabulary without some word
     of the gym's texts."""
-    name, gyms = cfg['gym'], gym_modules()
+    broken = {}
+    name, gyms = cfg['gym'], gym_modules(broken)
+    if name in broken:
+        fail(f"gyms/{name}.py does not import: {broken[name]}")
     if name not in gyms:
         fail(f"unknown gym {name!r} ({', '.join(gyms)})")
     mod = gyms[name]
+    for attr in ('MODEL', 'KEYS'):
+        if not hasattr(mod, attr):
+            fail(f"gyms/{name}.py defines no {attr} (gym.py lists what a gym module defines)")
     if mod.MODEL == 'tiny' and cfg['model'] != 'tiny':
         fail(f"gym {name!r} builds its own word vocabulary for model: tiny, not {cfg['model']!r}")
     if mod.MODEL == 'hf' and cfg['model'] == 'tiny':
         fail(f"gym {name!r} needs a Hugging Face chat model (model: tiny-qwen3, smollm2 or a name/path)")
-    for key in sorted({k for m in gyms.values() for k in m.KEYS} - set(mod.KEYS)) if defaults else []:
+    for key in sorted({k for m in gyms.values() for k in getattr(m, 'KEYS', ())} - set(mod.KEYS)) if defaults else []:
         if cfg[key] != defaults[key]:  # set on purpose, yet this gym would silently ignore it
             fail(f"config key {key!r} is not used by gym {name!r}")
     if cfg['mem_coef'] > 0 and getattr(mod, 'answer_text', None) is None:

@@ -323,8 +323,14 @@ def main(argv):
     if opts['eval']:
         return main_eval(opts, rest)
     cfg = load_config(rest)
-    if opts['curves'] and not os.path.isfile(os.path.join(cfg['out_dir'], 'metrics.jsonl')):
-        fail(f"--curves: no metrics.jsonl in {cfg['out_dir']}")
+    if opts['curves']:  # only the plot: no policy, no episodes
+        metrics = os.path.join(cfg['out_dir'], 'metrics.jsonl')
+        if not os.path.isfile(metrics):
+            fail(f"--curves: no metrics.jsonl in {cfg['out_dir']}")
+        if not opts['curves'].endswith('.png'):
+            fail(f"--curves={opts['curves']}: the plot is a PNG file (--curves=curves.png)")
+        png = report.plot_metrics(metrics, opts['curves'])
+        return print('wrote', png) if png else None
     advantages = None
     if opts['metrics_rollout']:
         cfg, gym_, trajs, advantages, title = load_dump(opts['metrics_rollout'], rest)
@@ -339,10 +345,6 @@ def main(argv):
           f"success {sum(bool(t.info.get('success')) for t in trajs) / n:.3f}")
     if opts['html']:
         print('wrote', write_html(opts['html'], trajs, gym_['tok'], advantages, 'nanoagent · ' + title))
-    if opts['curves']:
-        png = report.plot_metrics(os.path.join(cfg['out_dir'], 'metrics.jsonl'), opts['curves'])
-        if png:
-            print('wrote', png)
 
 
 if __name__ == '__main__':

@@ -306,8 +306,11 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
     if cfg['resume'] and state is None and old:  # never delete what could not be read
         fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
              f"move them away or run without --resume")
-    if state is None and old and not cfg['overwrite']:
-        fail(f"{cfg['out_dir']} holds {len(old)} checkpoint(s) of an earlier run: --resume=True continues it, "
+    if cfg['resume'] and state is None and rank() == 0:
+        print(f"--resume=True: no checkpoint in {cfg['out_dir']}, starting from scratch")
+    if state is None and (old or os.path.exists(metrics_path)) and not cfg['overwrite']:
+        fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), metrics.jsonl "
+             f"{'present' if os.path.exists(metrics_path) else 'absent'}): --resume=True continues it, "
              f"--overwrite=True replaces it, or choose another out_dir")
     if state is None:
         if old and rank() == 0:
@@ -320,7 +323,7 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         except ValueError as e:  # a scripted text the gym's tokenizer cannot encode (a word outside the vocabulary)
             fail(f'warm start: {e}')
         if sft_loss is not None and rank() == 0:
-            print(f'warm start: {cfg["warmstart_steps"]} steps, final loss {sft_loss:.3f}, {time.time() - t0:.0f}s')
+            print(f'warm start: {cfg["warmstart_steps"]} steps, loss {sft_loss:.3f} (mean of the last 10), {time.time() - t0:.0f}s')
         ref_model = copy.deepcopy(model).eval() if cfg['kl_coef'] else None
         log0 = dict(step=0, **evaluate(model, gym_, cfg, 0))
         if rank() == 0:  # step 0: the warm-started policy, before any RL

@@ -12,17 +12,31 @@ from model import load_policy
 
 
 def gspo_policy_loss(logp, old_logp, advantages, mask, weights, cfg, ref_logp=None):
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", §4): one length-normalised
-    ratio per row; its value on every token, its gradient through each token's log-prob."""
-    seq_log_ratio = ((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [rows]
-    ratio = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())    # [rows, T-1]
-    surr = torch.min(ratio * advantages, ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high']) * advantages)
-    loss_tok = -surr
+    """train.policy_loss with GSPO's ratio (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    §4): the README's change, the first line of the body replaced by two; the rest as in train.py."""
+    seq_log_ratio = ((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [b]: one ratio per row
+    log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()            # [b, L-1]: its value, each token's gradient
+    ratio = torch.exp(log_ratio.clamp(-train.LOG_RATIO_MAX, train.LOG_RATIO_MAX))
+    clipped_ratio = ratio.clamp(1 - cfg['clip_low'], 1 + cfg['clip_high'])
+    loss_tok = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    kl = None
     if ref_logp is not None:
-        loss_tok = loss_tok + cfg['kl_coef'] * train.kl_penalty(logp, ref_logp, cfg['kl_type'])
-    clipped = (ratio.detach() - ratio.detach().clamp(1 - cfg['clip_low'], 1 + cfg['clip_high'])).abs() > 0
-    return (loss_tok * weights).sum(), dict(ratio=ratio.detach(), clipped=clipped, clamped=torch.zeros_like(clipped),
-                                            kl=None)
+        kl = train.kl_penalty(logp, ref_logp, cfg['kl_type'])
+        loss_tok = loss_tok + cfg['kl_coef'] * kl
+    with torch.no_grad():
+        clipped = ((ratio < 1 - cfg['clip_low']) & (advantages < 0)) | ((ratio > 1 + cfg['clip_high']) & (advantages > 0))
+        clamped = log_ratio.detach().abs() > train.LOG_RATIO_MAX
+    return (loss_tok * weights).sum(), dict(ratio=ratio.detach(), clipped=clipped, clamped=clamped, kl=kl)
+
+
+def test_gspo_change_is_the_readme_change():
+    """The test's GSPO loss is train.policy_loss with exactly the README's lines swapped in."""
+    import inspect
+    ours = inspect.getsource(train.policy_loss).split('"""')[2].strip().splitlines()
+    gspo = inspect.getsource(gspo_policy_loss).split('"""')[2].strip().splitlines()
+    assert ours[0].strip() == 'log_ratio = logp - old_logp'
+    strip = lambda lines: [l.replace('train.', '').split('#')[0].rstrip() for l in lines]
+    assert strip(gspo[2:]) == strip(ours[1:])
 
 
 def reinforce_pp_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):

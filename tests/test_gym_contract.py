@@ -160,3 +160,25 @@ def test_a_scripted_word_outside_the_vocabulary_stops_before_rl(tmp_path, monkey
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count('\n') == 1
     assert err.startswith("error: warm start: word '17' is not in the tiny vocabulary") and not (tmp_path / 'metrics.jsonl').exists()
+
+
+def test_a_broken_gym_file_stops_only_its_own_gym(tmp_path, monkeypatch, capsys):
+    """A half-written gyms/<name>.py (a syntax error) or one without MODEL: asking for it is one line
+    naming the file; every other gym still loads."""
+    import gym
+    import gyms
+    folder = tmp_path / 'gyms'
+    folder.mkdir()
+    for f in gym.GYMS.glob('*.py'):
+        (folder / f.name).write_text(f.read_text())
+    (folder / 'halfdone.py').write_text('def setup(cfg, vocab=None:\n')
+    (folder / 'nomodel.py').write_text('KEYS = ()\ndef setup(cfg, vocab=None):\n    return {}\n')
+    monkeypatch.setattr(gym, 'GYMS', folder)
+    monkeypatch.setattr(gyms, '__path__', [str(folder)])
+    assert load_gym(small_cfg('example'), None, config)['train_tasks']
+    for name, needle in (('halfdone', 'gyms/halfdone.py does not import: SyntaxError'),
+                         ('nomodel', 'gyms/nomodel.py defines no MODEL')):
+        with pytest.raises(SystemExit):
+            load_gym(dict(small_cfg('example'), gym=name), None, config)
+        err = capsys.readouterr().err
+        assert err.count('\n') == 1 and needle in err, err

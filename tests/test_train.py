@@ -127,12 +127,19 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(tmp_path):
     ckpts = {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')}
     p = train(tmp_path, '--steps=1', check=False)
     assert p.returncode == 2 and p.stderr.count('\n') == 1
-    assert 'holds 1 checkpoint(s) of an earlier run: --resume=True continues it, --overwrite=True replaces it' in p.stderr
+    assert 'holds an earlier run (1 checkpoint(s), metrics.jsonl present): --resume=True continues it, --overwrite=True' in p.stderr
     assert {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')} == ckpts
     p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
     assert 'overwrite: removing 1 checkpoint(s)' in p.stdout
     state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
     assert state['vocab'][:3] == ['<pad>', '<bos>', '<unk>'] and len(state['vocab']) > 100
+    (tmp_path / 'other').mkdir()  # a run killed before its first checkpoint left only its metrics
+    (tmp_path / 'other' / 'metrics.jsonl').write_text('{"step": 0}\n')
+    p = train(tmp_path / 'other', '--steps=1', check=False)
+    assert p.returncode == 2 and 'holds an earlier run (0 checkpoint(s), metrics.jsonl present)' in p.stderr
+    assert (tmp_path / 'other' / 'metrics.jsonl').read_text() == '{"step": 0}\n'
+    p = train(tmp_path / 'fresh', '--steps=1', '--resume=True', '--save_every=0')
+    assert f"--resume=True: no checkpoint in {tmp_path / 'fresh'}, starting from scratch" in p.stdout
 
 
 def test_progress_lines_in_a_log_file(tmp_path):
