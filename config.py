@@ -18,6 +18,8 @@ import sys
 import torch
 import yaml
 
+from gym import fail  # one line `error: ...`, exit status 2; the scripts import it from here
+
 config = dict(
     # run
     gym='bugfix',                # a file in gyms/: bugfix | memory | searchqa | quixbugs | example
@@ -83,12 +85,6 @@ config = dict(
     dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
 )
 TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
-
-
-def fail(msg):
-    """Print one line `error: msg` to stderr and exit with status 2 (bad input, nothing lost)."""
-    print(f'error: {msg}', file=sys.stderr)
-    sys.exit(2)
 
 
 def parse_value(key, raw, default):

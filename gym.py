@@ -58,7 +58,8 @@ SETUP_KEYS = ('tok', 'fmt', 'train_tasks', 'eval_tasks', 'make_env', 'warm_polic
 
 
 def fail(msg):
-    """One line `error: msg` on stderr, exit status 2 (config.fail's twin: gym.py imports nothing of ours)."""
+    """Print one line `error: msg` to stderr and exit with status 2 (bad input, nothing lost). config.py
+    and the scripts use this one (gym.py imports nothing of ours, so every room can)."""
     print(f'error: {msg}', file=sys.stderr)
     sys.exit(2)
 

@@ -166,9 +166,9 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
             for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
                 r = rows[mb]
                 L = max(lengths[i] for i in r.tolist())
-                am = mask[r, :L - 1].to(dev)
-                if not am.any():
+                if not mask[r, :L - 1].any():  # checked on the CPU copy: no device sync per micro-batch
                     continue  # nothing to train here (invalid episodes): loss 0, gradient 0
+                am = mask[r, :L - 1].to(dev)
                 ids, attn = batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev)
                 with autocast(cfg):
                     logp, ent = sequence_log_probs(model, ids, attn, cfg['temperature'], with_entropy=True, positions=am)
