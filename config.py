@@ -48,6 +48,7 @@ config = dict(
     prompt_style='train',        # gym searchqa: 'train' (bare question) | 'eval' (format instructions)
     max_obs_tokens=400,          # gym searchqa: tokens of search results per observation
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
+    max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)

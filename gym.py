@@ -5,7 +5,8 @@ and the <mem> turn format.
 
 A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It defines
     MODEL   'tiny': the gym builds its own word vocabulary and needs model: tiny;
-            'hf': it needs a Hugging Face chat model (tiny-qwen3, smollm2, a name or a path)
+            'hf': it needs a Hugging Face chat model (tiny-qwen3, smollm2, a name or a path);
+            'any': either (the memory gym: its own words for tiny, the model's chat template otherwise)
     KEYS    the gym-specific config keys it reads (config.py marks them `gym:`); load_gym refuses a
             gym-specific key that another gym reads, set here to a value other than its default
     setup(cfg, vocab=None) -> dict with
@@ -143,6 +144,8 @@ class Format:
     turn_prefix: list = field(default_factory=list)
     mem_span: Callable = None     # response ids -> length of its memory span through </mem> (0: none)
     fold_close: list = field(default_factory=list)  # template ids closing a folded memory turn
+    end_turn: list = field(default_factory=list)    # ids the rollout appends to a scripted turn's text: a chat
+                                                    # model's end-of-turn token (a word format's stops are tags)
 
 
 def word_format(tok, memory=False):
@@ -323,6 +326,17 @@ def score_answers(pred, golds):
 
 TAGS = ("mem", "think", "search", "answer")
 _TAG_RE = re.compile(r"<(/?)(mem|think|search|answer)>")
+END_MARKERS = ('<|im_end|>', '<|endoftext|>', '<|eot_id|>')  # chat models' end-of-turn tokens as text
+
+
+def strip_end_marker(text):
+    """A decoded turn without a trailing end-of-turn token (decoding normally skips it; a tokenizer
+    that does not mark it special leaves it in the text) and the whitespace around it."""
+    text = text.rstrip()
+    for marker in END_MARKERS:
+        if text.endswith(marker):
+            return text[:-len(marker)].rstrip()
+    return text
 
 
 def _parse_turn(text):

@@ -379,9 +379,20 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
     ids the template writes for them; the policy's turn ends with the <|im_end|> it samples (a policy
     token). With memory every assistant turn is forced to open with '<mem>\\n' (with the newline:
     '>\\n' is how the BPE splits it in running text). A memory span ends with the token that completes
-    '</mem>', which may also carry the next character: real vocabularies have no single </mem> id."""
+    '</mem>', which may also carry the next character: real vocabularies have no single </mem> id.
+    A scripted turn's text gets <|im_end|> appended (end_turn). Raises ValueError naming the model when
+    its vocabulary lacks <|im_end|> or its template cannot render a prompt or a tool turn."""
     prefix = '<mem>\n' if memory else ''
     im_end = tok.convert_tokens_to_ids('<|im_end|>')
+    name = getattr(tok, 'name_or_path', '') or type(tok).__name__
+    if im_end is None or im_end == tok.unk_token_id:
+        raise ValueError(f"model {name!r}: its vocabulary has no '<|im_end|>', the token that ends a chat turn here")
+    try:  # render one turn of each kind now: a template that cannot stops the run before any training
+        prompt_ids(tok, system, 'q', tools, enable_thinking)
+        tool_turn_ids(tok, 'o', tools, enable_thinking)
+    except Exception as e:
+        raise ValueError(f"model {name!r}: its chat template cannot render the gym's turns "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
     def mem_span(response):
         return span_through(tok, response, '</mem>') or 0
@@ -392,4 +403,4 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
                   encode=lambda text: tok.encode(text, add_special_tokens=False),
                   stop_ids=stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else im_end,
                   turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
-                  mem_span=mem_span if memory else None, fold_close=[im_end] if memory else [])
+                  mem_span=mem_span if memory else None, fold_close=[im_end] if memory else [], end_turn=[im_end])

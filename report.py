@@ -25,7 +25,7 @@ EPISODES = 'episodes.html'
 
 def summarise(t):
     """The numbers of one episode that metrics need (small, so ranks can exchange them)."""
-    keys = ('em', 'f1', 'k', 'tt', 'pt', 'n_turns')
+    keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns')
     return dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
                 **{k: t.info[k] for k in keys if k in t.info})
 
@@ -43,7 +43,7 @@ def episode_metrics(eps, prefix=''):
         for e in eps:
             by_k.setdefault(e.get('k', 1), []).append(e)
         for suffix, es in [('', eps)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
-            for key in ('em', 'f1', 'tt', 'pt'):
+            for key in ('em', 'f1', 'tt', 'pt', 'ht'):  # ht: the full history of the same episodes
                 out[f'{prefix}{key}{suffix}'] = sum(float(e.get(key, 0.0)) for e in es) / len(es)
     return out
 

@@ -217,7 +217,8 @@ def make_trajectory(ep):
     generated = [len(t['response']) for t in ep.turns]
     info = dict(ep.info, actions=ep.actions, n_turns=len(ep.turns),
                 tt=sum(contexts) + sum(generated),  # tokens processed: every turn's context + response
-                pt=max((c + g for c, g in zip(contexts, generated)), default=0))  # peak context of a turn
+                pt=max((c + g for c, g in zip(contexts, generated)), default=0),  # peak context of a turn
+                ht=len(h['ids']))  # the un-folded episode: the peak context of full history for these turns
     return Trajectory(ids=torch.tensor(h['ids']), owner=owner, turn=torch.tensor(h['turn']),
                       action_mask=(owner[1:] == OWNER['policy']).float(),
                       sample_logp=torch.tensor(h['logp'][1:], dtype=torch.float32),
@@ -275,7 +276,8 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
 
     policy is a model (sampled with its KV cache at cfg['temperature'], or `temperature` if given) or
     a list of scripted text policies, one per episode: functions (episode) -> action text, encoded
-    through the same token path with log-prob 0. cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
+    through the same token path with log-prob 0, followed by fmt.end_turn (a chat model's end-of-turn
+    token, which the text itself does not write). cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
     whose next context plus a full response would exceed max_len, or that uses max_turns turns, ends
     'truncated' with reward 0. Each turn's finish reason goes to env.step (Simplification 2)."""
     temperature = cfg['temperature'] if temperature is None else temperature
@@ -300,7 +302,7 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
                                             temperature, generator, fmt.pad_id)
             cut = [False] * len(responses)  # generate stops at a stop id or at the budget
         else:
-            full = [fmt.encode(policy[i](eps[i])) for i in active]
+            full = [fmt.encode(policy[i](eps[i])) + fmt.end_turn for i in active]  # as a model ends its turn
             responses = [f[:cfg['max_response_tokens']] for f in full]
             cut = [len(f) > len(r) for f, r in zip(full, responses)]  # even if the cut ends on a stop id
             logps = [[0.0] * len(r) for r in responses]
@@ -439,7 +441,7 @@ def memory_rewards(model, trajs, fmt, answers, cfg):
             attn[i, :len(c) + len(a)] = 1
             score[i, len(c) - 1:len(c) - 1 + len(a)] = torch.tensor(am, dtype=torch.float32)  # column j scores token j+1
         with autocast(cfg):
-            logp = sequence_log_probs(model, ids.to(dev), attn.to(dev)).float().cpu()  # [b, L-1]
+            logp = sequence_log_probs(model, ids.to(dev), attn.to(dev), positions=(score > 0).to(dev)).float().cpu()  # [b, L-1]: answer tokens only
         probs.append(torch.exp((logp * score).sum(1) / score.sum(1).clamp(min=1)))
     probs = torch.cat(probs).view(-1, 2)  # [pairs, (full, mem)]
     for (n, k), (p_full, p_mem) in zip(where, probs.tolist()):

@@ -254,6 +254,18 @@ def evaluate(model, gym_, cfg, step):
     return dict(out, **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
 
 
+def warm_start_loss(model, batch, idx, cfg):
+    """Mean negative log-likelihood (nats per policy token) of the policy tokens of rows idx
+    (LongTensor [n]) of a collated batch; template, prompt and tool tokens have weight 0. Only policy
+    tokens are projected onto the vocabulary."""
+    L = int(batch['attention_mask'][idx].sum(1).max())
+    am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
+    with autocast(cfg):
+        logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
+                                  batch['attention_mask'][idx, :L].to(cfg['device']), positions=am)
+    return -(logp * am).sum() / am.sum().clamp(min=1)
+
+
 def warm_start(model, gym_, cfg, rng):
     """Cross-entropy on the policy tokens of scripted episodes (tool and template tokens excluded),
     rolled out by the same code as RL. Each step draws warmstart_batch_size episodes with all their
@@ -271,18 +283,14 @@ def warm_start(model, gym_, cfg, rng):
     losses = []
     for it in report.progress(range(cfg['warmstart_steps']), 'warm start', cfg, lambda: f'loss {losses[-1]:.3f}',
                               show=rank() == 0):
-        # 30-step ramp, then cosine decay to 10%: the scripted targets are deterministic, and at a
-        # constant lr the loss stays noisy (memory gym: 0.17 vs 0.08; step-0 EM at k=2 0.32 vs 0.69)
-        frac = it / cfg['warmstart_steps']
+        # 30-step ramp (a fifth of a warm start shorter than 40 steps), then cosine decay to 10%: the
+        # scripted targets are deterministic, and at a constant lr the loss stays noisy (memory gym:
+        # 0.17 vs 0.08; step-0 EM at k=2 0.32 vs 0.69)
+        frac, ramp = it / cfg['warmstart_steps'], 30 if cfg['warmstart_steps'] >= 40 else max(1, cfg['warmstart_steps'] // 5)
         for g in opt.param_groups:
-            g['lr'] = cfg['warmstart_lr'] * min(1.0, (it + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+            g['lr'] = cfg['warmstart_lr'] * min(1.0, (it + 1) / ramp) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         idx = torch.tensor([r for _ in range(cfg['warmstart_batch_size']) for r in rows_of[rng.randrange(n)]])
-        L = int(batch['attention_mask'][idx].sum(1).max())
-        am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
-        with autocast(cfg):
-            logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
-                                      batch['attention_mask'][idx, :L].to(cfg['device']))
-        loss = -(logp * am).sum() / am.sum().clamp(min=1)
+        loss = warm_start_loss(model, batch, idx, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])

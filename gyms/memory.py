@@ -1,5 +1,7 @@
 """
-The memory gym: MemPO for the tiny model. Answer scoring (EM/F1 of "a1 ; a2" answers) and the
+The memory gym: MemPO where memory must be learned, for the tiny model (its own word vocabulary) or
+any chat model (the same worlds and texts through the model's chat template, SYSTEM_PROMPT saying
+the turn format). Answer scoring (EM/F1 of "a1 ; a2" answers) and the
 turn format (validate_format) are gym.py's, shared with the real-model gyms.
 
 Contents, top to bottom:
@@ -17,17 +19,18 @@ What it deliberately simplifies:
 3. Questions are noun chains, outermost relation first ("country of birthplace of director of
    moonfall"); several objectives are joined with ` ; ` and answered in the same order.
 4. The format is strict: nothing but whitespace may stand outside the tags of a turn. A chat model's
-   end-of-turn token must be stripped by its gym before calling validate_format.
+   end-of-turn token is not part of its decoded turn (special tokens are skipped, gym.strip_end_marker).
 """
 
 import random
 from dataclasses import dataclass, field
 
+import hf
 from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem, extract_tag, score_episode,
-                 validate_format, word_format)
+                 strip_end_marker, validate_format, word_format)
 
-MODEL = 'tiny'
-KEYS = ('train_tasks',)
+MODEL = 'any'
+KEYS = ('train_tasks', 'max_objectives')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -178,7 +181,7 @@ class MemoryEnv:
     def step(self, action_text, finish="stop"):
         """Returns (obs: str, reward: float, done: bool, info: dict). Never raises on a str.
         finish: 'stop' or 'length' (cut at the response limit: a malformed turn)."""
-        text = "<mem> " + action_text
+        text = "<mem> " + strip_end_marker(action_text)
         self.turns.append(text)
         action = check_turn(text, self.require_think)[0] if finish != "length" else None
         if finish == "length":
@@ -312,20 +315,37 @@ def memory_texts():
 # the gym contract (gym.py)
 
 
+# A chat model is told the format once, in the system turn, kept short: a folded context re-reads it
+# every turn. The question is the user turn and each observation a tool result.
+SYSTEM_PROMPT = ("Look up one fact per turn, then answer. A turn is\n"
+                 "<mem> notes </mem> <search> entity relation </search>\n"
+                 "or <mem> notes </mem> <answer> answer1 ; answer2 </answer>")
+
+
 def folded_policy(policy):
     """Adapt a memory policy (question, last mem, last obs) -> text to rollout's (episode) -> text."""
     def act(ep):
-        mem = extract_mem("<mem> " + ep.actions[-1]) if ep.actions else None
-        return policy(ep.texts[0], mem, ep.texts[-1] if ep.actions else None)
+        mem = extract_mem("<mem> " + strip_end_marker(ep.actions[-1])) if ep.actions else None
+        return policy(ep.task.question, mem, ep.texts[-1] if ep.actions else None)
     return act
 
 
 def setup(cfg, vocab=None):
-    """train_tasks (0: 2000) and eval_tasks (0: 96) tasks drawn with cfg's seed; the warm start
-    imitates the oracle through the folded context."""
-    train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"])
-    eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"])
-    tok = build_tokenizer(memory_texts(), vocab)
-    return dict(tok=tok, fmt=word_format(tok, memory=True), train_tasks=train_tasks, eval_tasks=eval_tasks,
+    """train_tasks (0: 2000) and eval_tasks (0: 96) tasks drawn with cfg's seed, training questions
+    with 1..max_objectives parts and held-out ones with up to one more; the warm start imitates the
+    oracle through the folded context. model tiny: a word vocabulary built from the gym's texts (or
+    the checkpoint's `vocab`); any other model: its tokenizer and chat template (hf.chat_format, which
+    raises ValueError naming what the model lacks)."""
+    k = cfg["max_objectives"]
+    train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"], n_objectives=(1, k))
+    eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"], n_objectives=(1, k + 1))
+    if cfg["model"] == "tiny":
+        tok = build_tokenizer(memory_texts(), vocab)
+        fmt = word_format(tok, memory=True)
+    else:
+        tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"])
+        # enable_thinking: no empty think block written into every turn (a <think> is optional here)
+        fmt = hf.chat_format(tok, system=SYSTEM_PROMPT, enable_thinking=True, memory=True)
+    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks,
                 make_env=MemoryEnv, warm_policy=lambda rng: folded_policy(oracle_policy), baselines={},
                 answer_text=answer_text)

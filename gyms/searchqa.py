@@ -10,6 +10,10 @@ env.step receives the text AFTER it. The observation step() returns is plain tex
 passages); the chat template wraps it in <tool_response> when the rollout renders it as a tool
 message (hf.tool_turn_ids). Format checking and answer scoring are gym.py's.
 
+Warm start: oracle_policy, a scripted turn per supporting title (its search, a one-line note per
+title found in <mem>), then the gold answer; it sees only what MemPO folding keeps. HotpotQA only:
+Bamboogle has no supporting titles and is evaluation-only.
+
 Data: data/hotpotqa_dev_sample.jsonl (500 questions with their 10 paragraphs) and
 data/bamboogle.jsonl (125 questions, no paragraphs). The default corpus is every paragraph of the
 HotpotQA sample ("title: text", 4,943 distinct); any JSONL of {title, text} rows works too.
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hf
-from gym import read_jsonl, score_episode, validate_format
+from gym import read_jsonl, score_episode, strip_end_marker, validate_format
 
 MODEL = 'hf'
 KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking')
@@ -32,7 +36,6 @@ KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think'
 DATA = Path(__file__).resolve().parent.parent / 'data'
 SOURCES = {'hotpotqa': DATA / 'hotpotqa_dev_sample.jsonl', 'bamboogle': DATA / 'bamboogle.jsonl'}
 DEFAULT_CORPUS = SOURCES['hotpotqa']
-END_MARKERS = ('<|im_end|>', '<|endoftext|>')   # a chat model's stop token, if decoded as text
 NO_RESULT = 'no results for this query'
 
 # -----------------------------------------------------------------------------
@@ -276,10 +279,7 @@ class SearchQAEnv:
     def step(self, action_text, finish='stop'):
         """finish: 'stop' or 'length' (cut at the response limit, e.g. after </search> but before
         <|im_end|>: a malformed turn)."""
-        text = action_text.rstrip()
-        for marker in END_MARKERS:
-            text = text[:-len(marker)].rstrip() if text.endswith(marker) else text
-        text = self.forced_prefix + text
+        text = self.forced_prefix + strip_end_marker(action_text)
         self.turns.append(text)
         action = _action(text, self.require_think) if finish != 'length' else None
         if finish == 'length':
@@ -309,6 +309,63 @@ class SearchQAEnv:
         return reward, True, info
 
 # -----------------------------------------------------------------------------
+# the scripted oracle (the warm start)
+#
+# Turn i searches for supporting title i with the title itself as the query: BM25 ranks that title's
+# passage in the top 3 for 776 of the 786 supporting titles of the train split (98.7%; the title
+# without its '(... film)' part: 98.2%; the title followed by the question: 92.7%). Its <mem> is
+# the state: one line 'title: snippet' (or 'title: not found') per title searched so far, so the
+# next title is the one after as many lines. The snippet is SNIPPET_WORDS words of the found
+# passage's first sentence that names a gold answer or another supporting title (the bridge), taken
+# around that name, else of its first sentence. After the last title it answers with the gold
+# (answer_text). On the train split (3 turns each, longest turn 145 Qwen3 tokens), the final <mem>
+# holds a gold answer in 376 of 393 episodes at max_obs_tokens=400, 345 at 120 (which cuts off
+# more third passages: 40 of 786 titles not found, against 10).
+
+NOTHING = 'nothing found yet'   # the first turn's <mem>
+SNIPPET_WORDS = 20
+
+
+def _bare(title):
+    """'Kiss and Tell (1945 film)' -> 'Kiss and Tell'."""
+    return re.sub(r'\s*\([^)]*\)$', '', title)
+
+
+def found_note(task, title, obs):
+    """The <mem> line for one searched title: 'title: snippet' from that title's passage in the
+    observation obs, or 'title: not found'."""
+    m = re.search(rf'^\[\d+\] {re.escape(title)}: (.+)$', obs, flags=re.M)
+    if not m:
+        return f'{title}: not found'
+    keys = [a.lower() for g in task.golds for a in g] + [_bare(t).lower() for t in task.supporting_titles if t != title]
+    sentences = re.split(r'(?<=[.!?])\s+', m.group(1))
+    s, at = next(((s, s.lower().find(k)) for s in sentences for k in keys if k in s.lower()), (sentences[0], 0))
+    start = max(0, len(s[:at].split()) - SNIPPET_WORDS // 2)  # the key stays in a long sentence's cut
+    return f"{title}: {' '.join(s.split()[start:start + SNIPPET_WORDS])}"
+
+
+def oracle_turn(task, mem, obs):
+    """The oracle's turn text after the forced '<mem>' prefix, from its last <mem> content and the
+    last observation (both None at the first turn): a search for the next supporting title, or the
+    gold answer once every title was searched."""
+    notes = [] if mem in (None, NOTHING) else mem.splitlines()
+    if mem is not None and len(notes) < len(task.supporting_titles):  # else its answer turn was cut: again
+        notes.append(found_note(task, task.supporting_titles[len(notes)], obs))
+    head = '\n'.join(notes) or NOTHING
+    if len(notes) < len(task.supporting_titles):
+        title = task.supporting_titles[len(notes)]
+        return f'{head}\n</mem>\n<think>\nNext I need {title}.\n</think>\n<search>{title}</search>'
+    return f'{head}\n</mem>\n<think>\nI have found what I need.\n</think>\n{answer_text(task)}'
+
+
+def oracle_policy(ep):
+    """rollout's scripted policy (episode -> turn text) on what MemPO folding keeps: the task, its own
+    last <mem> (from ep.actions[-1]) and the last observation."""
+    if not ep.actions:
+        return oracle_turn(ep.task, None, None)
+    return oracle_turn(ep.task, _tag('<mem>' + ep.actions[-1], 'mem'), ep.texts[-1])
+
+# -----------------------------------------------------------------------------
 # the gym contract (gym.py)
 
 
@@ -319,7 +376,8 @@ def answer_text(task):
 
 def setup(cfg, vocab=None):
     """Questions of cfg['data'] (default hotpotqa), split by id hash: the first train_tasks and
-    eval_tasks of each split (0 = all); the policy's own tokenizer and chat template. No warm start."""
+    eval_tasks of each split (0 = all); the policy's own tokenizer and chat template. The warm start
+    imitates oracle_policy when every training task has supporting titles (HotpotQA), else None."""
     train_tasks = make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
     eval_tasks = make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
     tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'])
@@ -332,4 +390,5 @@ def setup(cfg, vocab=None):
                 make_env=lambda: SearchQAEnv(tok, max_turns=cfg['max_turns'], max_obs_tokens=cfg['max_obs_tokens'],
                                              require_think=cfg['enable_thinking'] or cfg['require_think'],
                                              prompt_style=cfg['prompt_style']),
-                baselines={}, warm_policy=None, answer_text=answer_text)
+                baselines={}, answer_text=answer_text,
+                warm_policy=(lambda rng: oracle_policy) if all(t.supporting_titles for t in train_tasks) else None)

@@ -12,11 +12,12 @@ from rollout import rollout_batch, run_tasks
 GYMS = gym.gym_modules()  # every gyms/<name>.py with a setup, found as load_gym finds them
 
 
-def small_cfg(name, *args):
+def small_cfg(name, *args, model=None):
     """A config for gym `name` at test sizes: its own kind of model, few tasks, room for 20 turns."""
     mod = GYMS[name]
     sizes = {'train_tasks': 8, 'train_variants': 1}
-    return load_config([f'--gym={name}', f"--model={'tiny' if mod.MODEL == 'tiny' else 'tiny-qwen3'}",
+    model = model or ('tiny-qwen3' if mod.MODEL == 'hf' else 'tiny')
+    return load_config([f'--gym={name}', f"--model={model}",
                         '--eval_tasks=2', '--max_turns=20', '--max_len=4096', '--out_dir=unused',
                         *[f'--{k}={v}' for k, v in sizes.items() if k in mod.KEYS], *args])
 
@@ -34,18 +35,19 @@ def test_the_gyms_are_found():
     assert {'bugfix', 'memory', 'searchqa', 'quixbugs'} <= set(GYMS) and not {'sandbox', 'bugfix_code'} & set(GYMS)
 
 
-@pytest.mark.parametrize('name', sorted(GYMS))
-def test_every_gym_keeps_the_contract(name):
+@pytest.mark.parametrize('name,model', [(n, m) for n in sorted(GYMS) for m in ('tiny', 'tiny-qwen3')
+                                        if GYMS[n].MODEL in ('any', {'tiny-qwen3': 'hf'}.get(m, m))])
+def test_every_gym_keeps_the_contract(name, model):
     mod = GYMS[name]
-    assert mod.MODEL in ('tiny', 'hf') and isinstance(mod.KEYS, tuple) and set(mod.KEYS) <= set(config)
-    cfg = small_cfg(name)
+    assert mod.MODEL in ('tiny', 'hf', 'any') and isinstance(mod.KEYS, tuple) and set(mod.KEYS) <= set(config)
+    cfg = small_cfg(name, model=model)
     g = load_gym(cfg, defaults=config)
     assert set(SETUP_KEYS) <= set(g) and isinstance(g['fmt'], gym.Format)
     assert g['train_tasks'] and g['eval_tasks'] and isinstance(g['baselines'], dict)
     assert (g['answer_text'] is None) == (getattr(mod, 'answer_text', None) is None)
     tasks = g['eval_tasks'][:2]
     assert all(isinstance(g['make_env']().reset(t), str) for t in tasks)
-    if mod.MODEL == 'tiny':
+    if model == 'tiny':
         assert isinstance(g['tok'], WordTokenizer)
         assert load_gym(cfg, vocab=g['tok'].itos)['tok'].itos == g['tok'].itos  # a checkpoint's words: same ids
     rng = random.Random(0)

@@ -236,9 +236,10 @@ def test_cut_turn_is_malformed_whatever_its_text(task):
     assert not done and r == 0.0 and info['n_invalid'] == 1
 
 
-@pytest.mark.parametrize('end', ['<|im_end|>', ''])
-def test_rollout_runs_no_search_for_a_turn_without_its_stop_token(task, end):
-    # through rollout_batch with the real Qwen tokenizer: without <|im_end|> the turn is 'length'
+@pytest.mark.parametrize('cut', [False, True])
+def test_rollout_runs_no_search_for_a_turn_without_its_stop_token(task, cut):
+    # through rollout_batch with the real Qwen tokenizer: the rollout appends <|im_end|> to a scripted
+    # turn; a budget one token short ends the turn at </search> without it, and that turn is 'length'
     import hf
     from rollout import rollout_batch
     fmt = hf.chat_format(hf.qwen_tokenizer(), memory=True)
@@ -246,10 +247,12 @@ def test_rollout_runs_no_search_for_a_turn_without_its_stop_token(task, end):
 
     def policy(ep):
         seen.append(ep.texts[-1])
-        return SEARCH[1:] + end  # after the forced '<mem>\n'
-    cfg = dict(max_turns=2, max_len=2048, max_response_tokens=64, keep_tool_results='all', temperature=1.0)
+        return SEARCH[1:]  # after the forced '<mem>\n'
+    n = len(fmt.encode(SEARCH[1:]) + fmt.end_turn)
+    cfg = dict(max_turns=2, max_len=2048, max_response_tokens=n - cut, keep_tool_results='all', temperature=1.0)
     t = rollout_batch([policy], fmt, [gs.SearchQAEnv(max_obs_tokens=50)], [task], cfg)[0]
-    if end:
+    assert fmt.decode(t.turns[0]['response']).endswith('</search>')
+    if not cut:
         assert seen[1].startswith('[1] Kiss and Tell') and (t.info['n_search'], t.info['n_invalid']) == (2, 0)
     else:
         assert seen[1].startswith('error: bad format') and (t.info['n_search'], t.info['n_invalid']) == (0, 2)

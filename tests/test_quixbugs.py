@@ -254,9 +254,9 @@ def test_turn_cut_at_max_response_tokens_is_not_run(qwen, budget):
     from hf import chat_format
     from rollout import rollout_batch
     fmt = chat_format(qwen, tools=G.tool_schemas())
-    read = call("read") + "<|im_end|>"
-    short = '<tool_call>{"name": "read"}</tool_call><|im_end|>'  # 9 tokens: always within the budget
-    assert len(fmt.encode(read)) == 15 and len(fmt.encode(short)) == 9
+    read = call("read")  # the rollout appends <|im_end|> (fmt.end_turn), as the model would write it
+    short = '<tool_call>{"name": "read"}</tool_call>'  # 9 tokens with <|im_end|>: always within the budget
+    assert len(fmt.encode(read) + fmt.end_turn) == 15 and len(fmt.encode(short) + fmt.end_turn) == 9
     seen = []
 
     def policy(ep):

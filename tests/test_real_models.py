@@ -209,7 +209,7 @@ def test_quixbugs_tool_calls_through_the_rollout_reproduce_the_template(tok, ena
     task = next(t for t in gq.make_tasks('train') if t.name == 'gcd')
     texts = gq.scripted_actions(task, 'oracle')
     fmt, envs, _ = quixbugs_setup(tok, 1, enable_thinking)
-    scripted = [lambda ep: texts[len(ep.turns)] + '<|im_end|>']
+    scripted = [lambda ep: texts[len(ep.turns)]]  # the rollout appends <|im_end|> (fmt.end_turn)
     cfg = dict(CFG, max_turns=len(texts), max_response_tokens=400, max_len=4096)
     t = rollout_batch(scripted, fmt, envs, [task], cfg)[0]
     assert t.reward == 1.0 and t.info['stop'] == 'submit' and t.info['n_invalid'] == 0
@@ -241,9 +241,9 @@ def test_folded_searchqa_context_is_prompt_last_mem_span_last_observation(tok):
     the next character: turn 3 sees the prompt, turn 2's memory span exactly as written, and turn 2's
     observation only."""
     fmt, envs, tasks = searchqa_setup(tok, 1)
-    turns = ['\nnothing yet\n</mem>\n<think>\nfind it\n</think>\n<search>{q}</search><|im_end|>',
-             '\nlooked up {q}\n</mem>\n<think>\nmore\n</think>\n<search>{q} history</search><|im_end|>',
-             '\ndone\n</mem>\n<think>\nanswer\n</think>\n<answer>unknown</answer><|im_end|>']
+    turns = ['\nnothing yet\n</mem>\n<think>\nfind it\n</think>\n<search>{q}</search>',
+             '\nlooked up {q}\n</mem>\n<think>\nmore\n</think>\n<search>{q} history</search>',
+             '\ndone\n</mem>\n<think>\nanswer\n</think>\n<answer>unknown</answer>']
     q = tasks[0].question.split()[-1].strip('?')
     scripted = [lambda ep: turns[len(ep.turns)].format(q=q)]
     t = rollout_batch(scripted, fmt, envs, tasks, dict(CFG, keep_tool_results=1, max_response_tokens=64))[0]
