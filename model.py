@@ -345,14 +345,13 @@ def micro_batches(lengths, budget):
 @torch.no_grad()
 def reference_log_probs(ref_model, batch, cfg):
     """Log-probs [R, T-1] of a collated batch under a frozen model (the KL reference), in micro-batches
-    of at most max_tokens_per_microbatch padded tokens, at the sampling temperature. Only policy tokens
-    (batch['action_mask']) are projected onto the vocabulary; the other entries are 0."""
+    of at most max_tokens_per_microbatch padded tokens, at the sampling temperature."""
     out = torch.zeros_like(batch['sample_logp'])
     lengths = batch['attention_mask'].sum(1).tolist()
     for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
         L = max(lengths[i] for i in mb)
         with autocast(cfg):  # as the policy's forward in the update: dtype rounding is not a KL
             out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
-                                                 batch['attention_mask'][mb, :L].to(cfg['device']), cfg['temperature'],
-                                                 positions=batch['action_mask'][mb, :L - 1].to(cfg['device'])).float().cpu()
+                                                 batch['attention_mask'][mb, :L].to(cfg['device']),
+                                                 cfg['temperature']).float().cpu()
     return out
