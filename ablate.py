@@ -1,9 +1,11 @@
 """
-MemPO ablation on the memory gym: three agents, several seeds, one table.
+MemPO ablation on the memory gym: three agents, several seeds, one table. With --main, a seed sweep
+of the main job instead.
 
     python ablate.py --jobs=2             # full: 3 variants x 3 seeds of config/tiny_mem.yaml (about 55 min on 2 CPU cores)
     python ablate.py --quick              # 1 seed, short runs: checks the pipeline end to end (minutes)
     python ablate.py --seeds=1,2 --steps=40 --out=out/ablate2   # any --key=value goes to every train.py run
+    python ablate.py --main --seeds=1,2,3 --jobs=2              # the main job (config/tiny.yaml) once per seed
 
 Variants (everything else from the config file):
   mempo      folding (keep_tool_results=1) + memory advantage (mem_coef from the config, > 0)
@@ -18,8 +20,15 @@ context (PT), per number of objectives k. The table
 OUT/ablation.json. A run whose config.json matches and whose metrics already hold the final step is
 not run again (--rerun forces it); a run with other options runs again in the same out_dir.
 
-Flags of this script: --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run.
+Flags of this script: --main --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run.
 k = 5 is one objective more than training draws (the memory gym trains on 1-4).
+
+--main: one variant, `main` (the config file as it is; --config defaults to config/tiny.yaml, --out
+to out/seeds, --ks is not used), run once per seed in the same way, --key=value passed through. Its
+table is mean +- standard error over seeds (sample std / sqrt(seeds); a single seed shows the mean
+alone) of: validation success and held-out sampled success at the last step, greedy held-out success,
+train success over the last 10 RL steps, and wall time (minutes, as ablate timed the run; `-` for a
+run it did not start). Recipes are compared on validation, never on held-out.
 
 Simplifications, on purpose:
 1. Runs are subprocesses, --jobs of them at a time (default 1): no scheduler, no resource checks.
@@ -42,19 +51,28 @@ VARIANTS = {  # name -> overrides on top of the config file
     'grpo_fold': ['--mem_coef=0'],
     'grpo_full': ['--keep_tool_results=all', '--mem_coef=0'],
 }
+MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
 METRICS = ('em', 'f1', 'tt', 'pt')
+MAIN_COLUMNS = {  # --main: table column -> a run's number (run_numbers)
+    'validation': 'eval_val_success', 'held-out': 'eval_success_rate', 'held-out greedy': 'eval_greedy_success',
+    'train (last 10 steps)': 'train_success_last10', 'wall (min)': 'wall_min'}
+WALL = 'ablate_wall.json'  # in a run's out_dir: its wall time as ablate measured it
 
 # -----------------------------------------------------------------------------
 
 
 def parse_args(argv):
     """Split argv into this script's options (dict) and the --key=value list passed to train.py."""
-    opts = dict(quick=False, seeds='1,2,3', out='out/ablate', config='config/tiny_mem.yaml', ks='1,2,4,5',
+    opts = dict(main=False, quick=False, seeds='1,2,3', out='out/ablate', config='config/tiny_mem.yaml', ks='1,2,4,5',
                 rerun=False, dry_run=False, jobs='1')
     opts, passthrough = parse_options(argv, opts)
-    if opts['quick'] and not any(a.startswith('--seeds=') for a in argv):
+    given = lambda key: any(a.startswith(f'--{key}=') for a in argv)
+    if opts['quick'] and not given('seeds'):
         opts['seeds'] = '1'
+    if opts['main']:
+        opts['config'] = opts['config'] if given('config') else 'config/tiny.yaml'
+        opts['out'] = opts['out'] if given('out') else 'out/seeds'
     for key in ('seeds', 'ks', 'jobs'):
         try:
             opts[key] = [int(x) for x in str(opts[key]).split(',')]
@@ -75,18 +93,30 @@ def run_dir(out, variant, seed):
 
 
 def final_eval(metrics_path):
-    """The last metrics line that carries held-out evaluation numbers, or None."""
+    """The last metrics line that carries evaluation numbers (eval_*), or None."""
     if not os.path.exists(metrics_path):
         return None
-    rows = [r for r in read_metrics(metrics_path) if 'eval_em' in r]
+    rows = [r for r in read_metrics(metrics_path) if any(k.startswith('eval_') for k in r)]
     return rows[-1] if rows else None
+
+
+def run_numbers(out_dir):
+    """A finished run's numbers: its last evaluation line (final_eval), train_success_last10 (mean
+    train success of its last 10 RL steps), wall_min (when ablate ran it, see WALL), out_dir."""
+    rows = [r for r in read_metrics(os.path.join(out_dir, 'metrics.jsonl')) if r['step'] > 0 and 'success_rate' in r]
+    out = dict(final_eval(os.path.join(out_dir, 'metrics.jsonl')), out_dir=out_dir)
+    if rows:
+        out['train_success_last10'] = mean_std([r['success_rate'] for r in rows[-10:]])[0]
+    if os.path.exists(os.path.join(out_dir, WALL)):
+        out['wall_min'] = json.load(open(os.path.join(out_dir, WALL)))['wall_s'] / 60
+    return out
 
 
 def run_config(config, variant, seed, out_dir, extra):
     """(train.py command, the config dict it will run with) for one run. A bad key or value in
     extra, or a missing config file, stops here with train.py's one-line error, before any run."""
     # --overwrite: ablate decided to (re)run this out_dir, so an earlier run's checkpoints there go
-    args = [config, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
+    args = [config, *{**VARIANTS, **MAIN_VARIANTS}[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
     return [sys.executable, 'train.py', *args], load_config(args)
 
 
@@ -113,15 +143,27 @@ def mean_std(xs):
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
-def aggregate(results, ks):
-    """results: {variant: [final eval dict per seed]} -> {variant: {f'{metric}_k{k}': (mean, std), 'steps', 'seeds'}}.
-    A k absent from a run's held-out draw is skipped for that run."""
+def mean_se(xs):
+    """(mean, standard error of the mean: sample std / sqrt(n)) of a list of floats; the error is nan
+    for one value (fmt shows the mean alone), both are nan for none."""
+    m, s = mean_std(xs)
+    return m, s / math.sqrt(len(xs) - 1) if len(xs) > 1 else math.nan
+
+
+def k_columns(ks):
+    """The MemPO table's numbers: {f'{metric}_k{k}': f'eval_{metric}_k{k}'} for every k and METRICS."""
+    return {f'{m}_k{k}': f'eval_{m}_k{k}' for k in ks for m in METRICS}
+
+
+def aggregate(results, columns, stat=mean_std):
+    """results: {variant: [run_numbers dict per seed]}, columns: {name: key of a run's numbers} ->
+    {variant: {name: stat(the values over seeds), 'steps', 'seeds'}}. A run without the key (a k
+    absent from its held-out draw, a wall time ablate did not measure) is skipped for that name."""
     out = {}
     for variant, runs in results.items():
         agg = dict(seeds=len(runs), steps=max((r['step'] for r in runs), default=0))
-        for k in ks:
-            for m in METRICS:
-                agg[f'{m}_k{k}'] = mean_std([r[f'eval_{m}_k{k}'] for r in runs if f'eval_{m}_k{k}' in r])
+        for name, key in columns.items():
+            agg[name] = stat([r[key] for r in runs if key in r])
         out[variant] = agg
     return out
 
@@ -151,13 +193,30 @@ def markdown_table(agg, ks):
     return '\n'.join(lines)
 
 
+def main_table(agg, config):
+    """--main: one row, mean ± standard error over seeds of MAIN_COLUMNS (success in [0, 1], wall time in minutes)."""
+    a = agg['main']
+    cols = [fmt(a[name], 1 if name == 'wall (min)' else 3) for name in MAIN_COLUMNS]
+    return '\n'.join([f"| config | {' | '.join(MAIN_COLUMNS)} | steps | seeds |",
+                      '|---' * (len(MAIN_COLUMNS) + 3) + '|',
+                      f"| {config} | {' | '.join(cols)} | {a['steps']} | {a['seeds']} |",
+                      '', f"mean ± standard error over {a['seeds']} seed(s); validation and held-out at the last step"])
+
+
 def run_job(job):
-    """Run one (variant, seed, cmd) train.py process; print a line when it starts and ends. Returns its exit code."""
-    variant, seed, cmd = job
+    """Run one (variant, seed, cmd, out_dir) train.py process; print a line when it starts and ends, and
+    write its wall time to out_dir/WALL when it succeeds. Returns its exit code."""
+    variant, seed, cmd, out_dir = job
+    if os.path.exists(os.path.join(out_dir, WALL)):
+        os.remove(os.path.join(out_dir, WALL))  # an earlier run's time is not this run's
     t0 = time.time()
     print(f'started  {variant} seed {seed}', flush=True)
     code = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
-    print(f"{'finished' if code == 0 else 'FAILED  '} {variant} seed {seed} in {(time.time() - t0) / 60:.1f} min", flush=True)
+    wall = time.time() - t0
+    print(f"{'finished' if code == 0 else 'FAILED  '} {variant} seed {seed} in {wall / 60:.1f} min", flush=True)
+    if code == 0:
+        with open(os.path.join(out_dir, WALL), 'w') as f:
+            json.dump(dict(wall_s=wall), f)
     return code
 
 
@@ -167,30 +226,34 @@ def main(argv):
         return None
     opts, passthrough = parse_args(argv)
     extra = (QUICK if opts['quick'] else []) + passthrough
-    runs = [(variant, seed) for variant in VARIANTS for seed in opts['seeds']]
+    variants = MAIN_VARIANTS if opts['main'] else VARIANTS
+    runs = [(variant, seed) for variant in variants for seed in opts['seeds']]
     todo = []
     for variant, seed in runs:
         d = run_dir(opts['out'], variant, seed)
         cmd, cfg = run_config(opts['config'], variant, seed, d, extra)
         print(' '.join(cmd[1:]), flush=True)
         if not opts['dry_run'] and (opts['rerun'] or not is_finished(d, cfg)):
-            todo.append((variant, seed, cmd))
+            todo.append((variant, seed, cmd, d))
     if opts['dry_run']:
         return None
     # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting), in VARIANTS
     # order: the MemPO runs, the longest (two extra forward passes per turn for the memory reward), first
     with ThreadPoolExecutor(max_workers=opts['jobs']) as pool:
         codes = list(pool.map(run_job, todo))
-    for (variant, seed, _), code in zip(todo, codes):
+    for (variant, seed, _, _), code in zip(todo, codes):
         if code:  # its progress bar and its own error stay on stderr
             print(f'error: the {variant} run (seed {seed}) failed; its own error is above', file=sys.stderr)
             sys.exit(2)
-    results = {variant: [] for variant in VARIANTS}
+    results = {variant: [] for variant in variants}
     for variant, seed in runs:
-        d = run_dir(opts['out'], variant, seed)
-        results[variant].append(dict(final_eval(os.path.join(d, 'metrics.jsonl')), out_dir=d))
-    agg = aggregate(results, opts['ks'])
-    table = markdown_table(agg, opts['ks'])
+        results[variant].append(run_numbers(run_dir(opts['out'], variant, seed)))
+    if opts['main']:
+        agg = aggregate(results, MAIN_COLUMNS, mean_se)
+        table = main_table(agg, opts['config'])
+    else:
+        agg = aggregate(results, k_columns(opts['ks']))
+        table = markdown_table(agg, opts['ks'])
     print(table)
     os.makedirs(opts['out'], exist_ok=True)
     path = os.path.join(opts['out'], 'ablation.json')

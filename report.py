@@ -268,7 +268,9 @@ def progress(iterable, desc, cfg, status=None, initial=0, total=None, show=True)
 
 def print_eval(log, gym_):
     """One line of held-out numbers: step, train success (RL steps), held-out sampled and greedy
-    success, the gym's reference baselines."""
+    success, the same on the validation split when the gym has one, the gym's reference baselines."""
     tqdm.write(f"step {log['step']}: " + (f"train success {log['success_rate']:.3f}, " if 'success_rate' in log else '')
                + f"held-out success {log['eval_success_rate']:.3f} (greedy {log['eval_greedy_success']:.3f})"
+               + (f", validation {log['eval_val_success']:.3f} (greedy {log['eval_val_greedy_success']:.3f})"
+                  if 'eval_val_success' in log else '')
                + ''.join(f', {k} {v:.3f}' for k, v in gym_['baselines'].items()))

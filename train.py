@@ -241,16 +241,24 @@ def train_step(model, ref_model, opt, gym_, cfg, rng, gen):
 def evaluate(model, gym_, cfg, step):
     """Held-out success, greedy (one episode per task) and sampled (eval_samples per task); the tasks
     are sharded over ranks and the episode summaries gathered. Sampling uses its own generator, seeded
-    by the step, so evaluating never shifts the training run's random streams."""
-    tasks = gym_['eval_tasks'][rank()::world_size()]
-    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] * 7919 + step * 104729 + rank())
+    by the step, so evaluating never shifts the training run's random streams. A gym with a validation
+    split (the optional gym_['val_tasks']) gets the same on it, eval_val_success (sampled) and
+    eval_val_greedy_success, after held-out and from a generator of its own (another seed), so that
+    every held-out number is the one a gym without it logs. Recipes are chosen on validation, never
+    on held-out."""
+    splits = [(gym_['eval_tasks'], 0, 'eval_greedy_success', 'eval_sampled_success')]
+    if gym_.get('val_tasks'):
+        splits.append((gym_['val_tasks'], 1 << 32, 'eval_val_greedy_success', 'eval_val_success'))
     out = {}
-    for name, temp, reps in [('greedy', 0.0, 1), ('sampled', cfg['temperature'], cfg['eval_samples'])]:
-        trajs = run_tasks(model, gym_, cfg, tasks, reps, generator=gen, temperature=temp) if tasks else []
-        eps = gather([report.summarise(t) for t in trajs])
-        out[f'eval_{name}_success'] = report.episode_metrics(eps)['success_rate']
-        if name == 'sampled':
-            out.update(report.episode_metrics(eps, 'eval_'))
+    for split, seed_offset, greedy_key, sampled_key in splits:
+        tasks = split[rank()::world_size()]
+        gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] * 7919 + step * 104729 + rank() + seed_offset)
+        for key, temp, reps in [(greedy_key, 0.0, 1), (sampled_key, cfg['temperature'], cfg['eval_samples'])]:
+            trajs = run_tasks(model, gym_, cfg, tasks, reps, generator=gen, temperature=temp) if tasks else []
+            eps = gather([report.summarise(t) for t in trajs])
+            out[key] = report.episode_metrics(eps)['success_rate']
+            if key == 'eval_sampled_success':
+                out.update(report.episode_metrics(eps, 'eval_'))
     return dict(out, **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
 
 

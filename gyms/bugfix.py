@@ -32,7 +32,7 @@ from gym import SPECIALS, build_tokenizer, word_format
 from gyms.bugfix_code import (ACCS, EDIT_OPS, FN_NAMES, HELDOUT, INT_RANGE, LISTS, LOOPS, SCALARS, TEMPLATES,
                               all_pass, applicable_ops, apply_op, check, compact, generated_templates,
                               involutive_ops, listed_ops, precompute_results, reachable_sources,
-                              read_observation, run_cases, value_words)
+                              read_observation, renamed_forms, run_cases, value_words)
 
 MODEL = 'tiny'
 KEYS = ('train_variants', 'train_generated')
@@ -49,6 +49,10 @@ MESSAGES = ['error : malformed call', 'error : unknown tool', 'error : unknown o
 
 N_VARIANTS = 6
 GEN_VARIANTS = 4  # variants per generated training function (see generated_templates)
+# the validation split (setup's val_tasks): 32 functions of the grammar, one variant each, that training and
+# held-out never see. Recipes are chosen on it, never on held-out; 32 tasks add about two thirds of the
+# 48 held-out tasks' episodes to an evaluation. A constant, not a config key: one split for every run.
+VAL_FUNCTIONS = 32
 ISSUES = ['issue : {f} returns wrong results', 'issue : {f} gives wrong answers', 'bug : {f} is broken',
           'issue : {f} fails on some inputs']
 
@@ -119,10 +123,16 @@ def _pick_bug(tpl, seed, variant, target, used, count, no_hacks):
     return min(ops, key=lambda o: (used[o], count[o]), default=None)
 
 
-def make_tasks(split, seed=0, n_variants=N_VARIANTS, n_generated=0):
-    """split 'train' | 'heldout' | 'all' (train + heldout) -> list[Task], n_variants per template,
-    deterministic in seed. Held-out templates (HELDOUT) never appear in 'train'. Raises ValueError on
-    an unknown split.
+def make_tasks(split, seed=0, n_variants=N_VARIANTS, n_generated=0, exclude=()):
+    """split 'train' | 'heldout' | 'val' | 'all' (train + heldout) -> list[Task], n_variants per
+    template, deterministic in seed. Held-out templates (HELDOUT) never appear in 'train'. Raises
+    ValueError on an unknown split.
+
+    'val', the validation split: n_generated functions of the grammar from their own seed stream
+    (`val:{seed}`, named val0, val1, ...; training's are gen0, ... of stream `seed`), none of which is,
+    in any edited form and up to renaming, a held-out function or the function of a task in `exclude`
+    (pass the training tasks); min(n_variants, GEN_VARIANTS) variants each, made as held-out tasks
+    are (the function itself is wanted, natural bugs, decoys that pass the public tests kept).
 
     Held-out tasks are the natural bugs: the template is the wanted function and each variant breaks
     it with one of its bug_ops. Training tasks must not be solvable by memory: with 22 templates a
@@ -132,13 +142,16 @@ def make_tasks(split, seed=0, n_variants=N_VARIANTS, n_generated=0):
     alone then does not say which edit repairs it, only the tests do. Training variants are also
     drawn without decoys that pass the public tests (hacks): there the tests could not tell, and the
     train success would be capped below 1 by luck; held-out tasks keep theirs."""
-    if split not in ('train', 'heldout', 'all'):
+    if split not in ('train', 'heldout', 'val', 'all'):
         raise ValueError(f'unknown split {split!r}')
     if split == 'all':
         return make_tasks('train', seed, n_variants, n_generated) + make_tasks('heldout', seed, n_variants)
     train = split == 'train'
-    generated = generated_templates(n_generated, seed) if train else []
-    tpls = [t for t in TEMPLATES if (t.name in HELDOUT) != train] + generated
+    if split == 'val':
+        tpls = generated = generated_templates(n_generated, f'val:{seed}', 'val', renamed_forms(t.source for t in exclude))
+    else:
+        generated = generated_templates(n_generated, seed) if train else []
+        tpls = [t for t in TEMPLATES if (t.name in HELDOUT) != train] + generated
     n_var = {t.name: min(n_variants, GEN_VARIANTS) if t in generated else n_variants for t in tpls}
     targets = {(t.name, v): _targets(t, seed, v) if train else [()] for t in tpls for v in range(n_var[t.name])}
     drafts = [make_task(t, seed, v, op, target) for t in tpls for v in range(n_var[t.name])
@@ -486,17 +499,25 @@ def bugfix_tokenizer(seed=0, n_variants=N_VARIANTS):
 def setup(cfg, vocab=None):
     """Train tasks (train_variants per template, train_generated random functions), every held-out
     task (the first eval_tasks, 0 = all), the vocabulary of all their texts, exact baselines on the
-    held-out tasks, and the warm start: the `warmstart` script, one seed drawn from rng per episode."""
+    held-out tasks, and the warm start: the `warmstart` script, one seed drawn from rng per episode.
+    Also the optional val_tasks (gym.py's contract does not require it; train.py's evaluate logs
+    eval_val_*): the validation split, make_tasks('val') of VAL_FUNCTIONS functions none of these
+    training tasks has (the first eval_tasks of them too). Its texts do not join the vocabulary, so
+    that adding the split changes no id and no number of a run: a task with a word outside it is
+    dropped (none of config/tiny.yaml's 32 is; 1 with train_generated 0)."""
     train_tasks = make_tasks('train', n_variants=cfg['train_variants'], n_generated=cfg['train_generated'])
     eval_tasks = make_tasks('heldout')
     tok = build_tokenizer(bugfix_texts(train_tasks + eval_tasks), vocab)
     eval_tasks = eval_tasks[:cfg['eval_tasks'] or len(eval_tasks)]
+    val_tasks = [t for t in make_tasks('val', n_variants=1, n_generated=VAL_FUNCTIONS, exclude=train_tasks)
+                 if all(w in tok.stoi for text in bugfix_texts([t]) for w in text.replace('\n', ' <nl> ').split())]
+    val_tasks = val_tasks[:cfg['eval_tasks'] or len(val_tasks)]
 
     def warm_policy(rng):
         script = scripted_policy('warmstart', rng.randrange(1 << 30))
         return lambda ep: script(ep.texts)  # rollout's (episode) -> text, from the observations so far
 
     baselines = reference_baselines(eval_tasks, cfg['max_turns'])
-    return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks,
+    return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
                 make_env=lambda: BugFixEnv(cfg['max_turns']), warm_policy=warm_policy,
                 baselines={k: baselines[k] for k in ('random_calls', 'any_edit')}, answer_text=None)

@@ -367,20 +367,26 @@ def _renamed(source):
     return ' '.join(seen.setdefault(w, f'n{len(seen)}') if w in pool else w for w in compact(source).split())
 
 
+def renamed_forms(sources):
+    """Every source reachable by edits from any of `sources`, up to renaming (see _renamed) -> set[str]."""
+    return {_renamed(x) for src in sources for x in reachable_sources(src)}
+
+
 @lru_cache(maxsize=None)
 def _heldout_forms():
     """Every held-out function and its edited forms, up to renaming (see _renamed) -> set[str]."""
-    return {_renamed(src) for t in TEMPLATES if t.name in HELDOUT
-            for src in reachable_sources(t.code.format(**CANONICAL_NAMES))}
+    return frozenset(renamed_forms(t.code.format(**CANONICAL_NAMES) for t in TEMPLATES if t.name in HELDOUT))
 
 
-def generated_templates(n, seed=0):
-    """n random training functions (Template, names gen0, gen1, ...), deterministic in seed. Each one
-    runs without error on its 6 cases, has 3 edits that undo themselves (as most held-out functions
+def generated_templates(n, seed=0, prefix='gen', exclude=frozenset()):
+    """n random functions (Template, names gen0, gen1, ... or prefix0, ...), deterministic in seed: one
+    seed, one stream (training draws seed 0, the validation split its own, see bugfix.make_tasks). Each
+    one runs without error on its 6 cases, has 3 edits that undo themselves (as most held-out functions
     do; the templates already have many 2-edit ones), at least one of which breaks a public case,
     reads in at most 40 words in every edited form (as the templates do), and is none of the held-out
-    functions' forms up to renaming. Candidates run in batches, one sandbox process per batch."""
-    rng, out = random.Random(f'bugfix-gen:{seed}'), []
+    functions' forms, nor of `exclude` (renamed_forms), up to renaming. Candidates run in batches, one
+    sandbox process per batch."""
+    rng, out, avoid = random.Random(f'bugfix-gen:{seed}'), [], _heldout_forms() | set(exclude)
     while len(out) < n:
         batch = []
         for _ in range(2 * n):
@@ -389,7 +395,7 @@ def generated_templates(n, seed=0):
             ops = involutive_ops(src)
             forms = reachable_sources(src) if len(ops) == 3 else ()
             if (forms and all(len(read_observation(x).split()) <= 40 for x in forms)
-                    and not {_renamed(x) for x in forms} & _heldout_forms()):
+                    and not {_renamed(x) for x in forms} & avoid):
                 batch.append((code, src, ops, _gen_args(rng, lst, n_scal, 6)))
         _run_and_cache([(x, 'f', cases) for _, src, ops, cases in batch for x in [src] + [apply_op(src, op) for op in ops]])
         for code, src, ops, cases in batch:
@@ -398,7 +404,7 @@ def generated_templates(n, seed=0):
                 continue
             broken = [op for op in ops if run_cases(apply_op(src, op), cases[:2]) != want[:2]]
             if broken:
-                out.append(Template(f'gen{len(out)}', code, broken[0], tuple(cases[:2]), tuple(cases[2:])))
+                out.append(Template(f'{prefix}{len(out)}', code, broken[0], tuple(cases[:2]), tuple(cases[2:])))
     return out
 
 

@@ -39,7 +39,7 @@ def test_final_eval_takes_last_complete_eval_line(tmp_path):
 
 def test_aggregate_mean_and_population_std_over_seeds():
     runs = {'mempo': [dict(step=5, eval_em_k2=0.5, eval_pt_k2=10.0), dict(step=5, eval_em_k2=1.0, eval_pt_k2=20.0)]}
-    a = ablate.aggregate(runs, [2, 4])['mempo']
+    a = ablate.aggregate(runs, ablate.k_columns([2, 4]))['mempo']
     assert a['em_k2'] == (0.75, 0.25) and a['pt_k2'] == (15.0, 5.0) and a['seeds'] == 2 and a['steps'] == 5
     assert all(math.isnan(x) for x in a['em_k4'])  # k absent from the draw: no number, no crash
 
@@ -115,6 +115,64 @@ def test_failed_run_stops_with_one_line(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2
     cap = capsys.readouterr()
     assert 'error: the mempo run (seed 1) failed' in cap.err and 'FAILED   mempo seed 1 in ' in cap.out
+
+
+def _write_main_run(d, seed, extra, successes, val):
+    """A finished main-job run as train.py leaves it (config.json, metrics: step 0 evaluation, one
+    line per RL step with its train success, the evaluation at the last step)."""
+    cfg = ablate.run_config('config/tiny.yaml', 'main', seed, str(d), list(extra))[1]
+    rows = [dict(step=0, eval_success_rate=0.0, eval_greedy_success=0.0, eval_val_success=0.0)]
+    rows += [dict(step=s, success_rate=x, loss=0.1) for s, x in enumerate(successes, 1)]
+    rows[-1].update(eval_success_rate=0.5 + seed / 10, eval_greedy_success=0.5, eval_val_success=val,
+                    eval_val_greedy_success=val)
+    d.mkdir(exist_ok=True)
+    (d / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    (d / 'config.json').write_text(json.dumps(cfg))
+
+
+def test_main_sweeps_seeds_of_the_main_job_with_mean_and_standard_error(tmp_path, monkeypatch, capsys):
+    opts, rest = ablate.parse_args(['--main', '--seeds=1,2', '--lr=0.001'])
+    assert (opts['config'], opts['out'], opts['seeds'], rest) == ('config/tiny.yaml', 'out/seeds', [1, 2], ['--lr=0.001'])
+    opts = ablate.parse_args(['--main', '--config=c.yaml', '--out=o'])[0]
+    assert (opts['config'], opts['out']) == ('c.yaml', 'o')
+    small = ['--steps=2', '--warmstart_steps=4', '--eval_tasks=4']
+    started = []
+
+    def fake_run(cmd, stdout=None):  # train.py's files for --steps=2: train success 0 then 1 per step
+        d = next(a.split('=', 1)[1] for a in cmd if a.startswith('--out_dir='))
+        seed = int(next(a.split('=', 1)[1] for a in cmd if a.startswith('--seed=')))
+        started.append(cmd)
+        _write_main_run(tmp_path / f'main_s{seed}', seed, small, [0.0, 1.0], 0.25 * seed)
+        return type('Done', (), dict(returncode=0))()
+    monkeypatch.setattr(ablate.subprocess, 'run', fake_run)
+    agg = ablate.main(['--main', f'--out={tmp_path}', '--seeds=1,2,3', '--jobs=2', *small])['main']
+    assert len(started) == 3 and all(c[2] == 'config/tiny.yaml' and all(a in c for a in small) for c in started)
+    assert agg['seeds'] == 3 and agg['steps'] == 2 and agg['train (last 10 steps)'] == (0.5, 0.0)
+    m, se = agg['validation']  # 0.25, 0.5, 0.75: sample std 0.25, standard error 0.25 / sqrt(3)
+    assert m == pytest.approx(0.5) and se == pytest.approx(0.25 / math.sqrt(3))
+    assert agg['held-out'][0] == pytest.approx(0.7) and agg['held-out greedy'] == (0.5, 0.0)
+    assert agg['wall (min)'][0] >= 0 and all((tmp_path / f'main_s{s}' / ablate.WALL).exists() for s in (1, 2, 3))
+    out = capsys.readouterr().out
+    assert '| config | validation | held-out | held-out greedy | train (last 10 steps) | wall (min) | steps | seeds |' in out
+    assert '| config/tiny.yaml | 0.500 ± 0.144 | 0.700 ± 0.058 | 0.500 | 0.500 | ' in out
+    saved = json.loads((tmp_path / 'ablation.json').read_text())
+    assert saved['aggregate']['main']['validation'][0] == pytest.approx(0.5) and len(saved['runs']['main']) == 3
+    # finished runs are reused (same options); one seed alone shows means without an error
+    agg = ablate.main(['--main', f'--out={tmp_path}', '--seeds=2', *small])['main']
+    assert len(started) == 3 and agg['validation'][0] == 0.5 and math.isnan(agg['validation'][1])
+    assert '| config/tiny.yaml | 0.500 | 0.700 | 0.500 | 0.500 | ' in capsys.readouterr().out
+
+
+def test_mean_se():
+    assert ablate.mean_se([0.5, 1.0]) == (0.75, pytest.approx(0.25))  # sample std 0.354 / sqrt(2)
+    assert ablate.mean_se([2.0])[0] == 2.0 and math.isnan(ablate.mean_se([2.0])[1])
+    assert all(math.isnan(x) for x in ablate.mean_se([]))
+
+
+def test_main_dry_run_runs_the_main_config_once_per_seed(tmp_path, capsys):
+    ablate.main(['--main', f'--out={tmp_path}', '--seeds=1,2', '--dry_run', '--steps=2'])
+    cmds = capsys.readouterr().out.strip().splitlines()
+    assert len(cmds) == 2 and all(c.startswith('train.py config/tiny.yaml --seed=') and '--steps=2' in c for c in cmds)
 
 
 @pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two', '--ks=0,2',

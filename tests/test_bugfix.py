@@ -94,6 +94,37 @@ def test_generated_functions_join_training_only():
             assert all(tok.unk_id not in tok.encode(x) for x in [ep['prompt']] + ep['actions'] + ep['observations'])
 
 
+def test_validation_split_is_neither_training_nor_heldout():
+    train = bugfix.make_tasks('train', n_variants=2, n_generated=30)
+    val = bugfix.make_tasks('val', n_variants=1, n_generated=bugfix.VAL_FUNCTIONS, exclude=train)
+    assert val == bugfix.make_tasks('val', n_variants=1, n_generated=bugfix.VAL_FUNCTIONS, exclude=train)
+    assert [t.template for t in val] == [f'val{k}' for k in range(bugfix.VAL_FUNCTIONS)]
+    assert len({code.compact(t.fixed) for t in val}) == bugfix.VAL_FUNCTIONS
+    seen = code.renamed_forms(t.source for t in train + HELDOUT)  # no function, in any edited form, renamed or not
+    assert all(not code.renamed_forms([t.source]) & seen for t in val)
+    for t in val:  # natural bugs, as held-out: the function itself is wanted, the bug shows in `test`, its op repairs it
+        assert len(t.hidden) == 6 and not code.all_pass(code.check(t, t.source))
+        assert code.all_pass(code.check(t, code.apply_op(t.source, t.bug), hidden=True))
+    assert len({t.bug for t in val}) >= 5  # balanced over the ops, as held-out
+    # its own seed stream: the training functions are the ones they were, and exclude is honoured
+    assert code.generated_templates(30) == GENERATED
+    again = bugfix.make_tasks('val', n_variants=1, n_generated=4, exclude=val[:2])
+    assert not code.renamed_forms(t.source for t in again) & code.renamed_forms(t.source for t in val[:2])
+
+
+def test_setup_returns_the_validation_split_without_changing_the_vocabulary():
+    from config import load_config
+    cfg = load_config(['--gym=bugfix', '--train_variants=2', '--train_generated=10', '--eval_tasks=0', '--out_dir=unused'])
+    g = gym.load_gym(cfg)
+    assert 'val_tasks' not in gym.SETUP_KEYS  # optional: a gym without one keeps the contract
+    words = gym.build_tokenizer(bugfix.bugfix_texts(g['train_tasks'] + bugfix.make_tasks('heldout'))).itos
+    assert g['tok'].itos == words  # the split adds no word: every id, so every number of a run, stays
+    assert len(g['val_tasks']) >= bugfix.VAL_FUNCTIONS - 4 and all(t.template.startswith('val') for t in g['val_tasks'])
+    for ep in episodes('tester', g['val_tasks'], [0]):  # every text it shows is in the vocabulary
+        assert all(g['tok'].unk_id not in g['tok'].encode(x) for x in [ep['prompt']] + ep['actions'] + ep['observations'])
+    assert len(gym.load_gym(dict(cfg, eval_tasks=3))['val_tasks']) == 3  # eval_tasks caps it as it caps held-out
+
+
 def test_tasks_deterministic_and_varied():
     assert bugfix.make_tasks('train') == TRAIN and bugfix.make_tasks('train', seed=1) != TRAIN
     for name in {t.template for t in ALL}:

@@ -90,7 +90,7 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
     import train as T
     assert T.episode_rows(torch.tensor([0, 0, 1, 2, 2, 2]), 4) == [[0, 1], [2], [3, 4, 5], []]
     real, rows = T.sequence_log_probs, []
-    monkeypatch.setattr(T, 'sequence_log_probs', lambda m, ids, am: rows.append(ids.shape[0]) or real(m, ids, am))
+    monkeypatch.setattr(T, 'sequence_log_probs', lambda m, ids, am, **kw: rows.append(ids.shape[0]) or real(m, ids, am, **kw))
     for keep in (1, 'all'):
         rows.clear()
         cfg = T.load_config(['config/tiny_mem.yaml', f'--keep_tool_results={keep}', '--warmstart_episodes=6',
