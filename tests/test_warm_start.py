@@ -116,7 +116,10 @@ def test_a_model_without_the_stop_token_or_a_template_that_cannot_render_stops_a
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token='[UNK]', pad_token='[UNK]', name_or_path='toy')
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(ValueError, match=r"model 'toy': its vocabulary has no '<\|im_end\|>'"):
+    with pytest.raises(ValueError, match=r"model 'toy': its chat template writes no end-of-turn token"):
+        hf.chat_format(tok, memory=True)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"  # not in its vocabulary
+    with pytest.raises(ValueError, match=r"model 'toy': .*'<\|im_end\|>', which does not start with a special token"):
         hf.chat_format(tok, memory=True)
     qwen = copy.deepcopy(hf.qwen_tokenizer())
     qwen.chat_template = "{{ raise_exception('this template has no tool role') }}"
