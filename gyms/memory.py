@@ -325,7 +325,7 @@ SYSTEM_PROMPT = ("Look up one fact per turn, then answer. A turn is\n"
 def folded_policy(policy):
     """Adapt a memory policy (question, last mem, last obs) -> text to rollout's (episode) -> text."""
     def act(ep):
-        mem = extract_mem("<mem> " + strip_end_marker(ep.actions[-1])) if ep.actions else None
+        mem = extract_mem("<mem> " + ep.actions[-1]) if ep.actions else None
         return policy(ep.task.question, mem, ep.texts[-1] if ep.actions else None)
     return act
 

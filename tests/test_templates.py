@@ -13,6 +13,7 @@ import pytest
 import hf
 from gyms import memory
 from rollout import rollout_batch
+from test_hf import segments  # [(owner, decoded text)] runs of equal owner
 
 LLAMA3_TOKENS = ['<|begin_of_text|>', '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>']
 # Llama 3's turn format; the tool role is its own 'ipython' header
@@ -41,16 +42,6 @@ def llama(qwen):
 
 def ids_of(tok, *tokens):
     return [tok.convert_tokens_to_ids(t) for t in tokens]
-
-
-def segments(tok, ids, owner):
-    """[(owner, decoded text)] runs of equal owner."""
-    out, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or owner[i] != owner[start]:
-            out.append((owner[start], tok.decode(ids[start:i])))
-            start = i
-    return out
 
 
 def test_chatml_turns_are_the_former_constants(qwen):
