@@ -264,13 +264,14 @@ def evaluate(model, gym_, cfg, step):
 
 def warm_start_loss(model, batch, idx, cfg):
     """Mean negative log-likelihood (nats per policy token) of the policy tokens of rows idx
-    (LongTensor [n]) of a collated batch; template, prompt and tool tokens have weight 0. Only policy
-    tokens are projected onto the vocabulary."""
+    (LongTensor [n]) of a collated batch; template, prompt and tool tokens have weight 0. Every
+    position is projected (projecting only policy tokens is cheaper but moved the main job's greedy
+    step-0 success from 0.271 to 0.250 by float rounding)."""
     L = int(batch['attention_mask'][idx].sum(1).max())
     am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
     with autocast(cfg):
         logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
-                                  batch['attention_mask'][idx, :L].to(cfg['device']), positions=am)
+                                  batch['attention_mask'][idx, :L].to(cfg['device']))
     return -(logp * am).sum() / am.sum().clamp(min=1)
 
 
