@@ -53,12 +53,16 @@ def episode_metrics(eps, prefix=''):
 
 
 def save_checkpoint(state, out_dir, step, keep):
-    """Write ckpt_<step>.pt atomically (temporary file, then rename) and keep this run's newest `keep`."""
+    """Write ckpt_<step>.pt atomically (temporary file, then rename) and keep the newest `keep` up to
+    this step. A checkpoint of a later step (a corrupt one that --resume skipped) is neither counted
+    nor removed: it would otherwise push out the one just written; this run overwrites it when it
+    reaches that step."""
     path = os.path.join(out_dir, f'ckpt_{step:06d}.pt')
     tmp = path + '.tmp'
     torch.save(state, tmp)
     os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    for old in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')))[:-keep]:
+    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt'))) if p <= path]  # zero-padded names
+    for old in mine[:-keep]:
         os.remove(old)
     return path
 

@@ -401,6 +401,9 @@ def init_run(cfg):
         print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks "
               f"({time.time() - t0:.0f}s); policy {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters; "
               f"{world_size()} process(es)")
+        if cfg['group_size'] == 1 and cfg['steps']:
+            print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
+                  "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
     return gym_, model, rng, gen, ckpt
 
 
@@ -464,4 +467,9 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # one line, not a traceback: what was saved is kept
+        print("\ninterrupted: checkpoints and metrics.jsonl written so far are kept; --resume=True continues "
+              "from the newest checkpoint", file=sys.stderr)
+        sys.exit(130)

@@ -83,6 +83,36 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     assert metrics(tmp_path) == reference
 
 
+def test_ctrl_c_prints_one_line_and_keeps_the_files(tmp_path):
+    p = train(tmp_path, '--steps=1000', '--save_every=1', wait=False)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob('ckpt_*.pt')) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=60)[1]
+    assert p.returncode == 130 and 'Traceback' not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith('interrupted: checkpoints and metrics.jsonl written so far are kept')
+    assert list(tmp_path.glob('ckpt_*.pt')) and (tmp_path / 'metrics.jsonl').read_text().startswith('{"step": 0')
+
+
+def test_group_size_one_warns(tmp_path):
+    p = train(tmp_path, '--steps=1', '--group_size=1')
+    assert 'warning: group_size=1: a group of one is its own baseline' in p.stderr
+    assert 'warning: group_size' not in train(tmp_path / 'g2', '--steps=1').stderr
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
+    """After a resume past a corrupt ckpt_000010, saving step 6 with keep=1 keeps 6 (and the user's
+    corrupt file); counting 10 among the kept removed 6 at once, leaving nothing that loads."""
+    import report
+    (tmp_path / 'ckpt_000010.pt').write_bytes(b'not a checkpoint')
+    for step in (5, 6):
+        report.save_checkpoint(dict(model={}, step=step), str(tmp_path), step, 1)
+    assert sorted(p.name for p in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000006.pt', 'ckpt_000010.pt']
+    assert report.load_latest_checkpoint(str(tmp_path))[0]['step'] == 6
+    report.save_checkpoint(dict(model={}, step=10), str(tmp_path), 10, 1)  # this run reaches step 10
+    assert [p.name for p in tmp_path.glob('ckpt_*.pt')] == ['ckpt_000010.pt']
+
 
 def test_warm_start_batches_whole_episodes(monkeypatch):
     """A folded episode is one row per turn: each warm-start step must hold every row of the episodes
