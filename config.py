@@ -49,6 +49,7 @@ config = dict(
     max_obs_tokens=400,          # gym searchqa: tokens of search results per observation
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
+    oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (issue #16)
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
@@ -197,6 +198,8 @@ def load_config(argv, defaults=config):
     for key in ('beta1', 'beta2'):
         if not 0 <= cfg[key] < 1:
             fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")
+    if not 0 <= cfg['oracle_forget'] <= 1:
+        fail(f"config key 'oracle_forget' is a probability, in [0, 1], got {cfg['oracle_forget']!r}")
     if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
         fail(f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
     if cfg['threads'] > (os.cpu_count() or 1):

@@ -25,13 +25,14 @@ EPISODES = 'episodes.html'
 
 def summarise(t):
     """The numbers of one episode that metrics need (small, so ranks can exchange them)."""
-    keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns')
+    keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns', 'mem_quality')
     return dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
                 **{k: t.info[k] for k in keys if k in t.info})
 
 
 def episode_metrics(eps, prefix=''):
-    """Means over episode summaries; memory gyms add EM/F1/TT/PT overall and per objective count k."""
+    """Means over episode summaries; memory gyms add EM/F1/TT/PT overall and per objective count k, and
+    the memory gym mem_quality (gyms/memory.py memory_quality, the mean over the episodes that have one)."""
     n = max(len(eps), 1)
     out = {f'{prefix}reward_mean': sum(e['reward'] for e in eps) / n,
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
@@ -45,6 +46,9 @@ def episode_metrics(eps, prefix=''):
         for suffix, es in [('', eps)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
             for key in ('em', 'f1', 'tt', 'pt', 'ht'):  # ht: the full history of the same episodes
                 out[f'{prefix}{key}{suffix}'] = sum(float(e.get(key, 0.0)) for e in es) / len(es)
+            quality = [e['mem_quality'] for e in es if e.get('mem_quality') is not None]  # memory gym
+            if quality:
+                out[f'{prefix}mem_quality{suffix}'] = sum(quality) / len(quality)
     return out
 
 

@@ -125,10 +125,26 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
         mem_adv = memory_advantage(mem_r, turn_valid, batch['group_ids'], cfg['adv_eps'])
         n = turn_valid.sum().clamp(min=1)
         stats = dict(mem_reward_mean=float((mem_r * turn_valid).sum() / n),
-                     mem_adv_abs_mean=float((mem_adv.abs() * turn_valid).sum() / n))
+                     mem_adv_abs_mean=float((mem_adv.abs() * turn_valid).sum() / n),
+                     **reward_quality_corr(mem_r, turn_valid, trajs))
     adv = token_advantages(out, batch['row_episode'], batch['action_mask'], mem_adv, batch['mem_mask'],
                            batch['turn_ids'], cfg['mem_coef'])
     return adv, stats
+
+
+def reward_quality_corr(mem_r, turn_valid, trajs):
+    """{'mem_reward_quality_corr': Pearson correlation over the valid turns between the memory reward
+    (mem_r [N, K]) and the memory quality the gym logs per turn (info['mem_quality_turns'], the memory
+    gym's), or {} when fewer than 3 turns have both or either side is constant. Does the memory
+    reward pay for memories that keep what later turns need (issue #16)?"""
+    pairs = [(float(mem_r[n, k]), q) for n, t in enumerate(trajs)
+             for k, q in enumerate(t.info.get('mem_quality_turns', ())) if q is not None and turn_valid[n, k]]
+    if len(pairs) < 3:
+        return {}
+    r, q = torch.tensor(pairs, dtype=torch.float64).T
+    r, q = r - r.mean(), q - q.mean()
+    denom = float(r.norm() * q.norm())
+    return {'mem_reward_quality_corr': float(r @ q) / denom} if denom > 0 else {}
 
 
 def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None):

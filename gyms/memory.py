@@ -23,6 +23,7 @@ What it deliberately simplifies:
 """
 
 import random
+import re
 from dataclasses import dataclass, field
 
 import hf
@@ -30,7 +31,7 @@ from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem,
                  strip_end_marker, validate_format, word_format)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives')
+KEYS = ('train_tasks', 'max_objectives', 'oracle_forget')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -108,6 +109,44 @@ def _resolve(facts, root, chain):
     return e
 
 
+def needed_entities(task, found):
+    """What a folded agent must carry from the facts found so far: the answer of each objective it
+    finished and the farthest entity of the one in progress. found: {'entity rel1 rel2': [turns whose
+    search returned it]}. Objectives are taken in the question's order, as the oracle takes them: a
+    hop counts for an objective only when found after the hop before it (after the previous
+    objective's last hop, for its first one), so a fact found earlier for another objective is not
+    this one's progress. The root is in the question and never needed. Returns list[str]."""
+    out, last = [], -1
+    for q in task.question.split(" ; "):
+        words = q.split(" of ")
+        e = root = words[-1]
+        hops = [NOUN_TO_REL[noun] for noun in reversed(words[:-1])]
+        for done, rel in enumerate(hops):
+            later = [t for t in found.get(f"{e} {rel}", ()) if t > last]
+            if not later:
+                break
+            e, last = task.facts[f"{e} {rel}"], min(later)
+        else:
+            done = len(hops)
+        if e != root:
+            out.append(e)
+        if done < len(hops):  # this objective is in progress: the ones after it have not started
+            return out
+    return out
+
+
+def memory_quality(task, turn_text, found):
+    """The fraction of needed_entities(task, found) that one turn's <mem> holds (as words), or None
+    when nothing is needed yet (the first turn, or no fact found). found: the facts returned before
+    this turn (needed_entities), which is all the turn's memory could have been written from. Issue #16's metric: 1.0 is
+    a memory a folded agent can finish from, lower values lost something it needs."""
+    need = needed_entities(task, found)
+    if not need:
+        return None
+    words = set(re.findall(r"[a-z]+", (extract_mem(turn_text) or "").lower()))
+    return sum(e in words for e in need) / len(need)
+
+
 def make_tasks(split, n, seed=0, n_objectives=None, hops=(2, 3)):
     """n memory tasks of one split, each with its own world.
 
@@ -175,6 +214,7 @@ class MemoryEnv:
     def reset(self, task):
         """Start an episode; returns the prompt (the question words)."""
         self.task, self.turns, self.n_invalid, self.cut = task, [], 0, []
+        self.found, self.quality = {}, []  # fact -> turns that returned it; memory_quality per turn
         self.budget = self.max_turns or 2 + sum(task.hops)
         return task.question
 
@@ -183,6 +223,7 @@ class MemoryEnv:
         finish: 'stop' or 'length' (cut at the response limit: a malformed turn)."""
         text = "<mem> " + strip_end_marker(action_text)
         self.turns.append(text)
+        self.quality.append(memory_quality(self.task, text, self.found))
         action = check_turn(text, self.require_think)[0] if finish != "length" else None
         if finish == "length":
             self.cut.append(len(self.turns))
@@ -192,6 +233,8 @@ class MemoryEnv:
         if action == "search":
             query = " ".join(extract_tag(text, "search").split())
             obs = f"{query} {self.task.facts[query]}" if query in self.task.facts else NO_RESULT
+            if query in self.task.facts:
+                self.found.setdefault(query, []).append(len(self.turns))
         else:
             self.n_invalid += 1
             obs = BAD_FORMAT
@@ -204,8 +247,10 @@ class MemoryEnv:
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         reward = float(s["em_count"]) if ok and stop == "answer" else 0.0
         # success = every objective right AND a valid format: what the reward pays for in full
+        known = [q for q in self.quality if q is not None]
         info = dict(stop=stop, success=reward == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,
-                    format_ok=ok, format_reason=reason, answer=answer, **s)
+                    format_ok=ok, format_reason=reason, answer=answer, mem_quality_turns=list(self.quality),
+                    mem_quality=sum(known) / len(known) if known else None, **s)
         return reward, True, info
 
 # -----------------------------------------------------------------------------
@@ -238,8 +283,9 @@ def _next_objective(objectives, root):
     return objectives[i] if i < len(objectives) else None
 
 
-def oracle_mem(question, mem, obs):
-    """The oracle's next <mem> content (str) from the folded context."""
+def oracle_mem(question, mem, obs, forget=False):
+    """The oracle's next <mem> content (str) from the folded context. forget: when this turn closes an
+    objective that is not the last, keep its slot but not its answer (the lossy oracle)."""
     objectives = question.split(" ; ")
     segs = [s.split() for s in mem.split(";")] if mem else []
     fact = (obs or "").split()
@@ -252,17 +298,29 @@ def oracle_mem(question, mem, obs):
         root, segs[-1] = segs[-1][0], segs[-1][1:]
         nxt = _next_objective(objectives, root)
         if nxt is not None:
+            segs[-1] = [] if forget else segs[-1]
             segs.append(_pending_chain(nxt).split())
-    return " ; ".join(" ".join(s) for s in segs)
+    return " ; ".join(" ".join(s) for s in segs).strip()
 
 
-def oracle_policy(question, mem, obs):
-    """Correct mem, next needed hop, answer when every objective is resolved."""
-    new = oracle_mem(question, mem, obs)
-    segs = [s.split() for s in new.split(" ; ")]
-    if all(len(s) == 1 for s in segs):
+def oracle_policy(question, mem, obs, forget=False):
+    """Correct mem, next needed hop, answer when every objective is resolved. forget: see oracle_mem;
+    a forgotten answer is an empty part of the final answer ('<answer> ; arvenia </answer>')."""
+    new = oracle_mem(question, mem, obs, forget)
+    segs = [s.split() for s in new.split(";")]
+    if all(len(s) <= 1 for s in segs):
         return f"{new} </mem> <answer> {new} </answer>"
     return f"{new} </mem> <search> {' '.join(segs[-1][1:4])} </search>"
+
+
+def make_lossy_oracle(rng, p):
+    """Issue #16's warm-start policy: the oracle, except that each objective it closes before the last
+    is forgotten with probability p (its <mem> keeps an empty slot, its answer an empty part). It
+    still teaches the format, the searches and answering, but carrying answers only part of the time:
+    a folded agent must learn from RL to keep them; a full-history agent can read them back from its
+    history. rng: draws one seed, so the caller's stream moves by one draw per episode."""
+    own = random.Random(rng.random())
+    return lambda question, mem, obs: oracle_policy(question, mem, obs, forget=own.random() < p)
 
 
 def any_answer_policy(question, mem, obs):
@@ -346,6 +404,8 @@ def setup(cfg, vocab=None):
         tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"])
         # enable_thinking: no empty think block written into every turn (a <think> is optional here)
         fmt = hf.chat_format(tok, system=SYSTEM_PROMPT, enable_thinking=True, memory=True)
+    p = cfg["oracle_forget"]
+    warm = (lambda rng: folded_policy(make_lossy_oracle(rng, p))) if p else (lambda rng: folded_policy(oracle_policy))
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks,
-                make_env=MemoryEnv, warm_policy=lambda rng: folded_policy(oracle_policy), baselines={},
+                make_env=MemoryEnv, warm_policy=warm, baselines={},
                 answer_text=answer_text)

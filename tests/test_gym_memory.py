@@ -309,3 +309,64 @@ def test_finish_length_steps_exactly_as_the_unterminated_text_did(turns):
         assert a == b
         if a[2]:
             break
+
+
+# -----------------------------------------------------------------------------
+# memory quality and the lossy oracle (issue #16)
+
+
+def _world_task():
+    """A hand-built world: 'founder of producer of moonfall ; birthplace of ada'."""
+    facts = {"moonfall produced by": "acme", "acme founded by": "ada", "ada born in": "varn",
+             "bo born in": "pell"}
+    return g.MemoryTask("t", "founder of producer of moonfall ; birthplace of ada", [["ada"], ["varn"]], facts)
+
+
+def test_needed_entities_on_a_hand_built_world():
+    t = _world_task()
+    assert g.needed_entities(t, {}) == []  # roots are in the question
+    assert g.needed_entities(t, {"moonfall produced by": [1]}) == ["acme"]
+    assert g.needed_entities(t, {"moonfall produced by": [1], "acme founded by": [2]}) == ["ada"]
+    # objective 1 done at turn 2: objective 2 starts; its first hop counts only when found after that
+    assert g.needed_entities(t, {"moonfall produced by": [1], "acme founded by": [2], "ada born in": [3]}) == ["ada", "varn"]
+    assert g.needed_entities(t, {"ada born in": [1], "moonfall produced by": [2], "acme founded by": [3]}) == ["ada"]
+    assert g.needed_entities(t, {"bo born in": [1]}) == []  # a fact no objective needs
+    # a hop found before the hop it follows is not progress: the agent has to search it again
+    assert g.needed_entities(t, {"acme founded by": [1], "moonfall produced by": [2]}) == ["acme"]
+
+
+def test_memory_quality_on_hand_built_memories():
+    t = _world_task()
+    found = {"moonfall produced by": [1], "acme founded by": [2], "ada born in": [3]}  # needs ada and varn
+    assert g.memory_quality(t, "<mem> ada ; varn </mem> <answer> ada ; varn </answer>", found) == 1.0
+    assert g.memory_quality(t, "<mem> ada ; moonfall </mem> <search> x </search>", found) == 0.5
+    assert g.memory_quality(t, "<mem> Ada, and Varn. </mem>", found) == 1.0  # words, any case or punctuation
+    assert g.memory_quality(t, "<mem> </mem> <answer> ada ; varn </answer>", found) == 0.0  # only <mem> counts
+    assert g.memory_quality(t, "no mem block at all", found) == 0.0
+    assert g.memory_quality(t, "<mem> ada </mem>", {}) is None  # nothing needed yet
+
+
+def test_oracle_memory_quality_is_one_and_logged_per_turn():
+    for t in g.make_tasks("train", 200, seed=3, n_objectives=(1, 4)):
+        turns, _, _, info = g.play(t, g.oracle_policy)
+        q = info["mem_quality_turns"]
+        assert len(q) == len(turns) and q[0] is None
+        assert all(x == 1.0 for x in q if x is not None) and info["mem_quality"] in (1.0, None)
+
+
+def test_lossy_oracle_never_writes_what_it_forgot():
+    tasks = g.make_tasks("train", 300, seed=4, n_objectives=(2, 3))
+    for t in tasks:
+        golds = [x[0] for x in t.golds]
+        turns, _, reward, info = g.play(t, g.make_lossy_oracle(random.Random(0), 1.0))  # forgets every answer but the last
+        assert [p.strip() for p in info["answer"].split(";")] == [""] * (len(golds) - 1) + [golds[-1]]
+        assert reward == 1.0 and info["format_ok"] and info["mem_quality"] < 1.0
+        for tx in turns:  # every closed objective's slot is empty: its answer is never written again
+            slots = gym.extract_mem("<mem> " + tx).split(";")
+            assert all(s.strip() == "" for s in slots[:-1]), tx
+    p0 = g.make_lossy_oracle(random.Random(0), 0.0)
+    for t in tasks[:50]:  # forgetting with probability 0 is the oracle, turn for turn
+        assert g.play(t, p0)[0] == g.play(t, g.oracle_policy)[0]
+    forgot = [g.play(t, g.make_lossy_oracle(random.Random(i), 0.5))[3]["answer"].split(";")[0].strip() == ""
+              for i, t in enumerate(tasks)]
+    assert 0.4 < sum(forgot) / len(forgot) < 0.6  # objective 1 is forgotten about half the time at p = 0.5

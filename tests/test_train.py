@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from config import load_config
 from gym import load_gym
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,3 +180,36 @@ def test_progress_lines_in_a_log_file(tmp_path):
     out = p.stdout
     assert 'warm start 10/10' in out and 'RL 1/2' in out and 'RL 2/2' in out
     assert 'step 0: held-out success' in out and out.index('step 0: held-out') < out.index('RL 1/2')
+
+
+def test_reward_quality_corr_pairs_turns_with_their_quality():
+    from types import SimpleNamespace as NS
+    import train as T
+    mem_r = torch.tensor([[0.0, 0.1, 0.5, 0.9], [0.0, 0.2, 0.0, 0.0]])
+    valid = torch.tensor([[False, True, True, True], [False, True, False, False]])
+    trajs = [NS(info=dict(mem_quality_turns=[None, 0.0, 0.5, 1.0])), NS(info=dict(mem_quality_turns=[None, None]))]
+    r, q = [0.1, 0.5, 0.9], [0.0, 0.5, 1.0]  # the only turns with both a valid reward and a quality
+    mr, mq = sum(r) / 3, sum(q) / 3
+    want = sum((a - mr) * (b - mq) for a, b in zip(r, q)) / (
+        sum((a - mr) ** 2 for a in r) ** 0.5 * sum((b - mq) ** 2 for b in q) ** 0.5)
+    assert abs(T.reward_quality_corr(mem_r, valid, trajs)['mem_reward_quality_corr'] - want) < 1e-12
+    assert T.reward_quality_corr(-mem_r, valid, trajs)['mem_reward_quality_corr'] < -0.99
+    assert T.reward_quality_corr(mem_r, valid & False, trajs) == {}  # no pairs
+    assert T.reward_quality_corr(mem_r, valid, [NS(info={}), NS(info={})]) == {}  # a gym without the metric
+
+
+def test_memory_quality_reaches_the_episode_metrics():
+    """env info -> Trajectory -> summarise -> episode_metrics, per k, through the rollout: the lossy
+    oracle forgets every answer but the last, so quality is 1 at k = 1 and below 1 at k >= 2."""
+    import report
+    from gyms import memory as gm
+    from rollout import run_tasks
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=40', '--eval_tasks=40', '--device=cpu'])
+    g = load_gym(cfg)
+    tasks = g['train_tasks'][:40]
+    for p, check in [(0.0, lambda m, k: m == 1.0), (1.0, lambda m, k: (m == 1.0) == (k == 1))]:
+        trajs = run_tasks([gm.folded_policy(gm.make_lossy_oracle(random.Random(0), p)) for _ in tasks], g, cfg, tasks)
+        m = report.episode_metrics([report.summarise(t) for t in trajs])
+        ks = [int(k.split('_k')[1]) for k in m if k.startswith('mem_quality_k')]
+        assert ks and 1 in ks and max(ks) >= 2 and 0 <= m['mem_quality'] <= 1
+        assert all(check(m[f'mem_quality_k{k}'], k) for k in ks), m
