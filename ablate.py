@@ -14,10 +14,12 @@ Variants (everything else from the config file):
 Each run is `python train.py CONFIG --key=value ...` in its own process and out_dir (--jobs=2 runs
 two at a time: each uses one thread, so two fill two cores; a line is printed as each run starts and
 ends, its own progress bar goes to stderr). Its last evaluation line in
-metrics.jsonl is the result: held-out EM, F1, tokens processed per episode (TT) and mean peak
-context (PT), per number of objectives k. The table
-(mean +- std over seeds) is printed in markdown and written with the per-run numbers to
-OUT/ablation.json. A run whose config.json matches and whose metrics already hold the final step is
+metrics.jsonl is the result: held-out EM, F1, memory quality (the fraction of what later turns need
+that a <mem> holds, gyms/memory.py), tokens processed per episode (TT) and mean peak context (PT),
+per number of objectives k; with its minutes in RL steps and its EM at every evaluation (the learning
+curve). The table (mean +- standard error over seeds) is printed in markdown and written with the
+per-run numbers to OUT/ablation.json. Issue #16's set-up, where memory has to be learned by RL:
+`python ablate.py --seeds=1,2,3,4,5 --jobs=2 --oracle_forget=0.5 --out=out/ablate_lossy`. A run whose config.json matches and whose metrics already hold the final step is
 not run again (--rerun forces it); a run with other options runs again in the same out_dir.
 
 Flags of this script: --main --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run.
@@ -53,7 +55,7 @@ VARIANTS = {  # name -> overrides on top of the config file
 }
 MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
-METRICS = ('em', 'f1', 'tt', 'pt')
+METRICS = ('em', 'f1', 'mem_quality', 'tt', 'pt')
 MAIN_COLUMNS = {  # --main: table column -> a run's number (run_numbers)
     'validation': 'eval_val_success', 'held-out': 'eval_success_rate', 'held-out greedy': 'eval_greedy_success',
     'train (last 10 steps)': 'train_success_last10', 'wall (min)': 'wall_min'}
@@ -102,11 +104,16 @@ def final_eval(metrics_path):
 
 def run_numbers(out_dir):
     """A finished run's numbers: its last evaluation line (final_eval), train_success_last10 (mean
-    train success of its last 10 RL steps), wall_min (when ablate ran it, see WALL), out_dir."""
-    rows = [r for r in read_metrics(os.path.join(out_dir, 'metrics.jsonl')) if r['step'] > 0 and 'success_rate' in r]
+    train success of its last 10 RL steps), rl_min (minutes in RL steps: rollout, scoring, update;
+    evaluations excluded), curve ({step: held-out EM} at every evaluation), wall_min (when ablate ran
+    it, see WALL), out_dir."""
+    metrics = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
+    rows = [r for r in metrics if r['step'] > 0 and 'success_rate' in r]
     out = dict(final_eval(os.path.join(out_dir, 'metrics.jsonl')), out_dir=out_dir)
+    out['curve'] = {str(r['step']): r['eval_em'] for r in metrics if 'eval_em' in r}
     if rows:
         out['train_success_last10'] = mean_std([r['success_rate'] for r in rows[-10:]])[0]
+        out['rl_min'] = sum(r.get('step_time_s', 0.0) for r in rows) / 60  # RL steps only, evaluations excluded
     if os.path.exists(os.path.join(out_dir, WALL)):
         out['wall_min'] = json.load(open(os.path.join(out_dir, WALL)))['wall_s'] / 60
     return out
@@ -151,8 +158,18 @@ def mean_se(xs):
 
 
 def k_columns(ks):
-    """The MemPO table's numbers: {f'{metric}_k{k}': f'eval_{metric}_k{k}'} for every k and METRICS."""
-    return {f'{m}_k{k}': f'eval_{m}_k{k}' for k in ks for m in METRICS}
+    """The MemPO table's numbers: {f'{metric}_k{k}': f'eval_{metric}_k{k}'} for every k and METRICS,
+    and the RL phase's minutes (rl_min)."""
+    return dict({f'{m}_k{k}': f'eval_{m}_k{k}' for k in ks for m in METRICS}, rl_min='rl_min')
+
+
+def curves(results, stat=mean_se):
+    """{variant: {step: stat(held-out EM over seeds at that evaluation step)}}: the learning curve."""
+    out = {}
+    for variant, runs in results.items():
+        steps = sorted({int(s) for r in runs for s in r.get('curve', {})})
+        out[variant] = {st: stat([r['curve'][str(st)] for r in runs if str(st) in r.get('curve', {})]) for st in steps}
+    return out
 
 
 def aggregate(results, columns, stat=mean_std):
@@ -175,14 +192,23 @@ def fmt(ms, digits):
     return f'{m:.{digits}f}' if s == 0 or s != s else f'{m:.{digits}f} ± {s:.{digits}f}'
 
 
-def markdown_table(agg, ks):
-    """One row per (variant, k): EM and F1 in [0, 1], TT and PT in tokens, mean ± std over seeds."""
-    lines = ['| variant | k | EM | F1 | TT (tokens) | PT (tokens) | steps | seeds |',
-             '|---|---|---|---|---|---|---|---|']
+def markdown_table(agg, ks, curve=None):
+    """One row per (variant, k): EM, F1 and memory quality in [0, 1], TT and PT in tokens, mean ±
+    standard error over seeds; then the RL phase's minutes per variant (and MemPO's against
+    grpo_fold's), held-out EM against RL steps (curve: curves()), and MemPO against full history."""
+    lines = ['| variant | k | EM | F1 | memory quality | TT (tokens) | PT (tokens) | steps | seeds |',
+             '|---|---|---|---|---|---|---|---|---|']
     for variant, a in agg.items():
         for k in ks:
             lines.append(f"| {variant} | {k} | {fmt(a[f'em_k{k}'], 3)} | {fmt(a[f'f1_k{k}'], 3)} | "
-                         f"{fmt(a[f'tt_k{k}'], 0)} | {fmt(a[f'pt_k{k}'], 0)} | {a['steps']} | {a['seeds']} |")
+                         f"{fmt(a[f'mem_quality_k{k}'], 3)} | {fmt(a[f'tt_k{k}'], 0)} | {fmt(a[f'pt_k{k}'], 0)} | "
+                         f"{a['steps']} | {a['seeds']} |")
+    lines += ['', 'RL phase (minutes in RL steps, evaluations excluded): ' +
+              '; '.join(f"{v} {fmt(a['rl_min'], 1)}" for v, a in agg.items())]
+    if 'mempo' in agg and 'grpo_fold' in agg and agg['grpo_fold']['rl_min'][0] > 0:
+        lines.append(f"MemPO / grpo_fold RL time = {agg['mempo']['rl_min'][0] / agg['grpo_fold']['rl_min'][0]:.2f}x")
+    for variant, points in (curve or {}).items():
+        lines.append(f'held-out EM by RL step, {variant}: ' + ', '.join(f'{st}: {fmt(ms, 3)}' for st, ms in points.items()))
     if 'mempo' in agg and 'grpo_full' in agg:
         lines.append('')
         for k in ks:  # the comparison the MemPO paper makes: context saved, accuracy kept?
@@ -252,8 +278,8 @@ def main(argv):
         agg = aggregate(results, MAIN_COLUMNS, mean_se)
         table = main_table(agg, opts['config'])
     else:
-        agg = aggregate(results, k_columns(opts['ks']))
-        table = markdown_table(agg, opts['ks'])
+        agg = aggregate(results, k_columns(opts['ks']), mean_se)
+        table = markdown_table(agg, opts['ks'], curves(results))
     print(table)
     os.makedirs(opts['out'], exist_ok=True)
     path = os.path.join(opts['out'], 'ablation.json')

@@ -13,8 +13,8 @@ def _write_run(tmp_path, variant, seed, em_k2, pt_k4, extra=()):
     cfg = ablate.run_config('config/tiny_mem.yaml', variant, seed, str(d), list(extra))[1]
     steps = cfg['steps']
     rows = [dict(step=0, eval_em=0.0, eval_em_k2=0.0, eval_pt_k4=1.0),
-            dict(step=steps, loss=0.1),  # a train-only line: not an eval line
-            dict(step=steps, eval_em=0.5, eval_em_k1=1.0, eval_f1_k1=1.0, eval_tt_k1=10.0, eval_pt_k1=5.0,
+            dict(step=steps, loss=0.1, success_rate=0.5, step_time_s=60.0 * (2 if variant == 'mempo' else 1)),  # not an eval line
+            dict(step=steps, eval_em=0.5 + em_k2 / 10, eval_mem_quality_k2=em_k2, eval_em_k1=1.0, eval_f1_k1=1.0, eval_tt_k1=10.0, eval_pt_k1=5.0,
                  eval_em_k2=em_k2, eval_f1_k2=em_k2, eval_tt_k2=20.0, eval_pt_k2=6.0,
                  eval_em_k4=0.25, eval_f1_k4=0.25, eval_tt_k4=40.0, eval_pt_k4=pt_k4)]
     (d / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows) + '{"step": 9, "eval_em"')  # torn line
@@ -51,7 +51,23 @@ def test_main_reuses_finished_runs_and_writes_table_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert '| mempo | 2 | 0.750 |' in out and 'full history = 0.25' in out
     saved = json.loads((tmp_path / 'ablation.json').read_text())
-    assert saved['aggregate']['grpo_full']['pt_k4'] == [240.0, 0.0] and agg['mempo']['em_k1'] == (1.0, 0.0)
+    assert saved['aggregate']['grpo_full']['pt_k4'][0] == 240.0 and agg['mempo']['em_k1'][0] == 1.0
+    assert math.isnan(agg['mempo']['em_k1'][1])  # one seed: a mean, no standard error
+
+
+def test_table_has_memory_quality_rl_time_and_learning_curve(tmp_path, capsys):
+    for seed, em in [(1, 0.5), (2, 1.0)]:
+        for v in ablate.VARIANTS:
+            _write_run(tmp_path, v, seed, em, 60.0)
+    agg = ablate.main([f'--out={tmp_path}', '--seeds=1,2'])
+    out = capsys.readouterr().out
+    # memory quality at k=2 is 0.5 and 1.0 over the two seeds: mean 0.75, standard error 0.25
+    assert '| mempo | 2 | 0.750 ± 0.250 | 0.750 ± 0.250 | 0.750 ± 0.250 |' in out
+    assert 'RL phase (minutes in RL steps, evaluations excluded): mempo 2.0; grpo_fold 1.0' in out
+    assert 'MemPO / grpo_fold RL time = 2.00x' in out and agg['mempo']['rl_min'] == (2.0, 0.0)
+    assert 'held-out EM by RL step, mempo: 0: 0.000, 50: 0.575 ± 0.025' in out  # eval_em 0.55 and 0.6
+    saved = json.loads((tmp_path / 'ablation.json').read_text())
+    assert saved['runs']['mempo'][1]['curve'] == {'0': 0.0, '50': 0.6}
 
 
 def test_finished_run_with_other_options_runs_again(tmp_path, monkeypatch, capsys):
@@ -70,7 +86,7 @@ def test_finished_run_with_other_options_runs_again(tmp_path, monkeypatch, capsy
     ablate.main([f'--out={tmp_path}', '--seeds=1'])
     assert started == []  # same options: reused
     agg = ablate.main([f'--out={tmp_path}', '--seeds=1', '--lr=0.0005'])
-    assert len(started) == 3 and all('--lr=0.0005' in c for c in started) and agg['mempo']['em_k2'] == (0.25, 0.0)
+    assert len(started) == 3 and all('--lr=0.0005' in c for c in started) and agg['mempo']['em_k2'][0] == 0.25
     for bad, needle in [('--bogus=1', "unknown config key 'bogus'"), ('--config=nope.yaml', 'config file not found: nope.yaml')]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:  # stops before any run, in one line
