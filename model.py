@@ -157,6 +157,21 @@ def select_cache(cache, keep):
     return cache
 
 
+def cache_layers(cache):
+    """The (keys, values) of every layer of a KV cache, each [B, H, S, D]: a TinyAgent list or a
+    Hugging Face Cache."""
+    return cache if isinstance(cache, list) else [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def make_cache(model, layers):
+    """A KV cache for `model` holding per-layer (keys, values) [B, H, S, D]: a list for a TinyAgent, a
+    Hugging Face DynamicCache otherwise (a model with sliding-window layers is not supported)."""
+    if isinstance(model, TinyAgent):
+        return list(layers)
+    from transformers import DynamicCache
+    return DynamicCache(ddp_cache_data=layers, config=model.config)
+
+
 def _chunk_log_probs(h, weight, targets, temperature, with_entropy):
     logits = F.linear(h, weight).float()  # [n, V], one chunk only
     if temperature != 1.0:  # x / 1.0 == x exactly; on a [n, 152k] block the division costs as much as the softmax

@@ -13,9 +13,10 @@ observation, so each turn trains as its own row, scored in exactly the context i
 (MEM1 trains on a context that differs from its rollout context; we must not).
 
 Simplifications, on purpose:
-1. Each turn re-prefills its context in one batched forward and then decodes with the KV cache. A
-   turn's prefill repeats the previous turns' tokens (one parallel pass, cheap next to decoding);
-   folded contexts change every turn anyway.
+1. Each turn prefills its context in one batched forward and then decodes with the KV cache. By
+   default the prefill repeats the previous turns' tokens; with kv_reuse the cache of the longest
+   common prefix with the last turn is kept (all of it with full history, the prompt with folding)
+   and only the rest is prefilled: the same tokens, up to float rounding, so it is a config choice.
 2. The stop token the policy sampled is a policy token. Every turn has a finish reason: 'stop' when
    its response ends with one of fmt.stop_ids, 'length' otherwise (it hit max_response_tokens; a
    scripted text longer than max_response_tokens is cut and is 'length' too). The environment gets
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gym import OWNER, STOPS
-from model import autocast, forward_cached, position_ids_from_mask, sample_next, select_cache, sequence_log_probs
+from model import (autocast, cache_layers, forward_cached, make_cache, position_ids_from_mask, sample_next, select_cache,
+                   sequence_log_probs)
 
 # -----------------------------------------------------------------------------
 # episodes and trajectories
@@ -50,6 +52,7 @@ class Episode:
     reward: float = 0.0
     info: dict = field(default_factory=dict)
     valid: bool = True             # False when the env raised or the reward was not a finite number
+    kv: object = None              # kv_reuse: (per-layer (keys, values), ids) of the last turn's cache
 
 
 @dataclass
@@ -105,7 +108,7 @@ def context_of(ep, fmt, keep_tool_results):
 
 
 def finish(ep, reward, info, stop=None):
-    ep.done = True
+    ep.done, ep.kv = True, None
     ep.info = dict(info or {})
     try:
         ep.reward = float(reward)
@@ -232,25 +235,53 @@ def make_trajectory(ep):
 
 
 @torch.no_grad()
-def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0):
+def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0, past=None,
+             return_caches=False):
     """Sample one response per context with a KV cache: prefill the left-padded contexts in one
     forward, then decode token by token; rows that sampled a stop token leave the batch (and the
     cache). contexts: list of B id lists. Returns (responses, logps): B lists of sampled ids (the stop
-    token included) and of their log-probs under the tempered sampling distribution."""
+    token included) and of their log-probs under the tempered sampling distribution.
+
+    KV reuse across turns: past[b] = (layers, n) holds the cache of the first n tokens of contexts[b]
+    from an earlier call (per-layer (keys, values) [H, n, D]; n < len(contexts[b])), so only the rest
+    is prefilled; the cached and new tokens sit in one row with padding between them, masked out.
+    past[b] = None (or past=None) prefills the whole context. return_caches=True also returns each
+    row's cache as (layers, ids): the tokens it holds (its context and its response but the last
+    token, which was sampled and never fed)."""
     device = next(model.parameters()).device
-    B, L = len(contexts), max(len(c) for c in contexts)
+    B = len(contexts)
+    n_cached = [p[1] if p is not None else 0 for p in (past or [None] * B)]
+    Lc, L = max(n_cached), max(len(c) - n for c, n in zip(contexts, n_cached))
     ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
-    for b, c in enumerate(contexts):
-        ids[b, L - len(c):] = torch.tensor(c)
-        attn[b, L - len(c):] = 1
+    attn = torch.zeros(B, Lc + L, dtype=torch.long)
+    for b, (c, n) in enumerate(zip(contexts, n_cached)):
+        ids[b, L - len(c) + n:] = torch.tensor(c[n:])
+        attn[b, Lc - n:Lc] = 1
+        attn[b, Lc + L - len(c) + n:] = 1
     ids, attn = ids.to(device), attn.to(device)
-    pos = position_ids_from_mask(attn)
-    logits, cache = forward_cached(model, ids, attn, pos)  # [B, V]: only the last position is projected
+    pos = position_ids_from_mask(attn)[:, Lc:]
+    cache = None
+    if Lc:  # the reused caches, left-padded to Lc positions, into one batch cache
+        layers, template = [], next(p for p in past if p is not None)[0]
+        for li, (k0, v0) in enumerate(template):
+            k = k0.new_zeros(B, k0.shape[0], Lc, k0.shape[2])
+            v = v0.new_zeros(B, v0.shape[0], Lc, v0.shape[2])
+            for b, p in enumerate(past):
+                if p is not None:
+                    k[b, :, Lc - p[1]:], v[b, :, Lc - p[1]:] = p[0][li][0][:, :p[1]], p[0][li][1][:, :p[1]]
+            layers.append((k.to(device), v.to(device)))
+        cache = make_cache(model, layers)
+    logits, cache = forward_cached(model, ids, attn, pos, cache)  # [B, V]: only the last position is projected
     rows = torch.arange(B, device=device)  # which context each live batch row belongs to
     next_pos = pos[:, -1] + 1
     stops = torch.tensor(stop_ids, device=device)
     steps = []  # (rows, ids, logp) per decoding step, assembled once at the end
+    kept = [None] * B  # return_caches: each row's (layers, number of its tokens) when it leaves the batch
+
+    def keep_rows(which):
+        for j in which.tolist():
+            real = attn[j].bool()
+            kept[int(rows[j])] = ([(k[j][:, real], v[j][:, real]) for k, v in cache_layers(cache)], int(real.sum()))
     for step in range(max_new_tokens):
         tok, logp = sample_next(logits, temperature, generator)  # [B'], [B']
         steps.append((rows, tok, logp))
@@ -259,16 +290,37 @@ def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generat
             break
         if not bool(live.all()):
             keep = live.nonzero().squeeze(1)
+            if return_caches:
+                keep_rows((~live).nonzero().squeeze(1))
             cache, attn, tok, rows, next_pos = select_cache(cache, keep), attn[keep], tok[keep], rows[keep], next_pos[keep]
         attn = torch.cat([attn, attn.new_ones(len(rows), 1)], 1)
         logits, cache = forward_cached(model, tok[:, None], attn, next_pos[:, None], cache)
         next_pos = next_pos + 1
+    if return_caches:
+        keep_rows(torch.arange(len(rows)))
     responses, logps = [[] for _ in range(B)], [[] for _ in range(B)]
     for r, t, lp in steps:
         for b, i, l in zip(r.tolist(), t.tolist(), lp.tolist()):
             responses[b].append(i)
             logps[b].append(l)
-    return responses, logps
+    if not return_caches:
+        return responses, logps
+    caches = [(kept[b][0], (list(contexts[b]) + responses[b][:-1])[:kept[b][1]]) for b in range(B)]
+    return responses, logps, caches
+
+
+def reusable_cache(kv, context):
+    """(layers, n) for generate's past: the part of an episode's last cache (kv = (layers, ids), or
+    None) that the next context starts with, its n common leading tokens (at most all but the
+    context's last token, which must be fed to get logits), or None when nothing is shared. Full
+    history extends the last turn exactly; a folded context shares its prompt."""
+    if kv is None:
+        return None
+    layers, ids = kv
+    n, limit = 0, min(len(ids), len(context) - 1)
+    while n < limit and ids[n] == context[n]:
+        n += 1
+    return (layers, n) if n else None
 
 
 def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, temperature=None):
@@ -296,7 +348,15 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
             contexts.append(ctx)
         if not active:
             break
-        if isinstance(policy, torch.nn.Module):
+        if isinstance(policy, torch.nn.Module) and cfg.get('kv_reuse'):
+            past = [reusable_cache(eps[i].kv, c[0]) for i, c in zip(active, contexts)]
+            with autocast(cfg):
+                responses, logps, caches = generate(policy, [c[0] for c in contexts], fmt.stop_ids, cfg['max_response_tokens'],
+                                                    temperature, generator, fmt.pad_id, past=past, return_caches=True)
+            for i, kv in zip(active, caches):
+                eps[i].kv = kv
+            cut = [False] * len(responses)
+        elif isinstance(policy, torch.nn.Module):
             with autocast(cfg):
                 responses, logps = generate(policy, [c[0] for c in contexts], fmt.stop_ids, cfg['max_response_tokens'],
                                             temperature, generator, fmt.pad_id)

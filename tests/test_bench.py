@@ -46,7 +46,8 @@ def test_nocache_baseline_matches_kv_cache_greedy_on_tiny_qwen3():
 def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     rows = run_smoke(tmp_path, 'tiny,hf,ppo')
     check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',
-                      'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'ppo_update_tokens_per_s'])
+                      'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'multiturn_kv_reuse_vs_reprefill',
+                      'ppo_update_tokens_per_s'])
     assert rows[-1]['mfu'] > 0  # against the measured CPU matmul peak
 
 

@@ -196,6 +196,49 @@ def test_logp_gap_batched_padded_with_and_without_folding(tok, model, keep, temp
             assert tr['context'][0][:len(want)] == want and tr['context'][0][-len(prefix):] == prefix
             assert tr['context'][0][len(want):-len(prefix)] == obs   # only the last observation
 
+
+@pytest.mark.parametrize('keep, temperature', [('all', 0.0), (1, 0.0), ('all', 1.0), (1, 1.0)])
+def test_kv_reuse_samples_what_reprefilling_samples(tok, model, monkeypatch, keep, temperature):
+    """kv_reuse keeps the cache of the prefix a turn shares with the last one (the whole history, or the
+    prompt when folded) and prefills only the rest, so fewer tokens are prefilled. Greedy, it writes
+    the same ids as re-prefilling with log-probs equal to 1e-5. Sampled, the two paths differ by float
+    rounding (~1e-6 in a log-prob), and on this random model's nearly flat distribution over 152k ids
+    that moves about one inverse-CDF draw in a few hundred to the neighbouring id, so there the check is
+    the one PPO needs: the log-probs it stored are the trainer's, to 1e-5."""
+    fmt, _, tasks = searchqa_setup(tok, 5)
+    prefilled, generate = [], rollout.generate
+
+    def spy(model, contexts, *args, past=None, **kw):
+        prefilled.append(sum(len(c) - (p[1] if p else 0) for c, p in zip(contexts, past or [None] * len(contexts))))
+        return generate(model, contexts, *args, past=past, **kw)
+    monkeypatch.setattr(rollout, 'generate', spy)
+    out = {}
+    for reuse in (False, True):
+        prefilled.clear()
+        cfg = dict(CFG, keep_tool_results=keep, kv_reuse=reuse, temperature=1.0)
+        trajs = rollout_batch(model, fmt, [searchqa_env(tok) for _ in tasks], tasks, cfg,
+                              generator=torch.Generator().manual_seed(3), temperature=temperature)
+        out[reuse] = trajs, sum(prefilled)
+    (plain, n_plain), (reused, n_reused) = out[False], out[True]
+    assert max(len(t.turns) for t in reused) >= 3 and n_reused < n_plain
+    if temperature == 0.0:
+        for a, b in zip(plain, reused):
+            assert a.ids.tolist() == b.ids.tolist() and a.owner.tolist() == b.owner.tolist()
+            assert (a.sample_logp - b.sample_logp).abs().max() <= 1e-5
+    batch = collate(reused, fmt.pad_id)
+    with torch.no_grad():
+        logp = sequence_log_probs(model, batch['ids'], batch['attention_mask'])
+    assert ((logp - batch['sample_logp']).abs() * batch['action_mask']).max() <= 1e-5  # sampler vs trainer
+
+
+def test_reusable_cache_is_the_common_prefix():
+    layers = [(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4))]
+    assert rollout.reusable_cache(None, [1, 2, 3]) is None
+    assert rollout.reusable_cache((layers, [1, 2, 3, 4, 5]), [1, 2, 3, 4, 5, 6])[1] == 5   # full history: all of it
+    assert rollout.reusable_cache((layers, [1, 2, 3, 4, 5]), [1, 2, 9, 9])[1] == 2          # folded: the shared prompt
+    assert rollout.reusable_cache((layers, [1, 2, 3]), [1, 2, 3])[1] == 2                   # the last token is fed again
+    assert rollout.reusable_cache((layers, [7, 2, 3]), [1, 2, 3]) is None
+
 # -----------------------------------------------------------------------------
 # scripted conversations: the template reproduced, tools executed, memory folded
 

@@ -84,6 +84,24 @@ def test_logp_gap_batched_kv_rollout_full_history_and_folded(mem_setup):
             assert all(len(t.rows) == len(t.turns) for t in trajs)
 
 
+def test_kv_reuse_with_the_tiny_model(mem_setup):
+    """The TinyAgent's list cache through kv_reuse: greedy, the same ids and log-probs (1e-5) as
+    re-prefilling every turn; sampled, the stored log-probs are the trainer's (1e-5)."""
+    tok, model, fmt = mem_setup
+    tasks = gm.make_tasks('train', 12, seed=3)
+    for keep in ('all', 1):
+        plain, reused = [rollout_batch(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks,
+                                       dict(CFG, keep_tool_results=keep, kv_reuse=r), temperature=0.0) for r in (False, True)]
+        assert max(len(t.turns) for t in plain) >= 3
+        for a, b in zip(plain, reused):
+            assert a.ids.tolist() == b.ids.tolist() and (a.sample_logp - b.sample_logp).abs().max() <= 1e-5
+        trajs = sampled(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks, dict(CFG, keep_tool_results=keep, kv_reuse=True))
+        b = collate(trajs, tok.pad_id)
+        with torch.no_grad():
+            logp = sequence_log_probs(model, b['ids'], b['attention_mask'])
+        assert ((logp - b['sample_logp']).abs() * b['action_mask']).max() <= 1e-5
+
+
 def test_generate_temperature_logp_is_the_tempered_distribution():
     tok = count_tok()
     torch.manual_seed(2)
