@@ -137,12 +137,13 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
 
 def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     """config/tiny_mem.yaml end to end, shrunk: the MemPO metrics the issue names reach metrics.jsonl."""
-    train(tmp_path, 'config/tiny_mem.yaml', '--gym=memory', '--warmstart_steps=3', '--warmstart_batch_size=2',
+    p = train(tmp_path, 'config/tiny_mem.yaml', '--gym=memory', '--warmstart_steps=3', '--warmstart_batch_size=2',
           '--steps=2', '--eval_every=2', '--eval_tasks=10', '--train_tasks=20', '--warmstart_episodes=20', '--n_embd=32',
           f'--out_dir={tmp_path}', small=[a for a in SMALL if a != '--train_variants=2'])  # a bugfix key
     rows = metrics(tmp_path)
     last = rows[-1]
     assert [r['step'] for r in rows] == [0, 1, 2]
+    assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
     for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'mem_tokens_mean', 'tt', 'pt', 'em', 'f1'):
         assert key in rows[1] and rows[1][key] == rows[1][key], key  # present and not NaN
     ks = sorted(int(k.split('_k')[1]) for k in last if k.startswith('eval_em_k'))
