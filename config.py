@@ -36,6 +36,8 @@ config = dict(
     gguf_file='',
     n_layer=2, n_head=4, n_embd=128, max_len=256,
     grad_checkpointing=False,
+    lora_rank=0,                 # > 0: train LoRA adapters of this rank only (optional package peft); 0: every weight
+    lora_alpha=32.0,             # LoRA scale alpha / rank
     enable_thinking=False,       # chat templates with a thinking switch (Qwen3)
     require_think=False,         # gym searchqa: every turn needs <think> (always when enable_thinking)
     # rollout
@@ -199,6 +201,10 @@ def load_config(argv, defaults=config):
     for key in ('beta1', 'beta2'):
         if not 0 <= cfg[key] < 1:
             fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")
+    if cfg['lora_rank'] < 0 or cfg['lora_alpha'] <= 0:
+        fail(f"config keys 'lora_rank' (>= 0) and 'lora_alpha' (> 0), got {cfg['lora_rank']!r} and {cfg['lora_alpha']!r}")
+    if cfg['lora_rank'] and cfg['model'] == 'tiny':
+        fail("config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'")
     if not 0 <= cfg['oracle_forget'] <= 1:
         fail(f"config key 'oracle_forget' is a probability, in [0, 1], got {cfg['oracle_forget']!r}")
     if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:

@@ -16,6 +16,7 @@ Simplifications, on purpose:
    from the attention mask (position_ids_from_mask), exactly as for Hugging Face models.
 """
 
+import contextlib
 import importlib.metadata
 import inspect
 import math
@@ -334,6 +335,8 @@ def load_policy(cfg, vocab_size=None):
             except OSError as e:  # unknown name, no network, not a model directory: one line, not a traceback
                 raise OSError(f"cannot load model {cfg['model']!r}: {str(e).splitlines()[0]}") from None
         model.max_len = cfg['max_len']
+        if cfg['lora_rank']:
+            add_lora(model, cfg['lora_rank'], cfg['lora_alpha'])
         if cfg['grad_checkpointing']:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False  # the training forward; rollouts pass use_cache=True themselves
@@ -341,6 +344,67 @@ def load_policy(cfg, vocab_size=None):
         for block in (model.blocks if cfg['model'] == 'tiny' else model.base_model.layers):
             block.compile(dynamic=True)
     return model.to(cfg['device'])
+
+
+# -----------------------------------------------------------------------------
+# LoRA (optional dependency peft): adapters injected in place, so the model keeps its class
+
+
+def add_lora(model, rank, alpha):
+    """Inject LoRA adapters (Hu et al. 2021, arXiv 2106.09685) of `rank` into every linear layer of a
+    Hugging Face model's blocks (not lm_head) and freeze everything else: only the adapters train.
+    Each adapter starts at zero (B = 0), so the policy is unchanged. Raises ImportError without peft."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise ImportError("lora_rank needs the optional package peft: pip install peft") from None
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules='all-linear'), model)
+    for name, p in model.named_parameters():
+        p.requires_grad = 'lora_' in name
+    return model
+
+
+def lora_layers(model):
+    """The (name, layer) of every LoRA-wrapped layer of `model`; none without LoRA."""
+    if not any('lora_' in n for n, _ in model.named_parameters()):
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Run `model` as its base weights: LoRA adapters disabled inside the block (no copy of the
+    weights; a no-op for a model without adapters). This is the KL reference of a LoRA run."""
+    layers = [m for _, m in lora_layers(model)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)  # and marks the adapters trainable again (disabling froze them)
+
+
+@torch.no_grad()
+def fold_lora(model):
+    """Add every adapter's update (B A, times alpha / rank) into its base weight and reset B to 0: the
+    policy is unchanged, and the base (adapters off) now is that policy. After the warm start this
+    makes the reference the warm-started policy, as in full fine-tuning."""
+    for _, m in lora_layers(model):
+        for name in m.active_adapters:
+            m.get_base_layer().weight += m.get_delta_weight(name)
+            m.lora_B[name].weight.zero_()
+
+
+def merged(model):
+    """A LoRA model's adapters folded in and its layers unwrapped (in place): a plain model whose
+    save_pretrained any loader reads. Returns the model; a model without adapters is returned as is."""
+    fold_lora(model)
+    for name, m in lora_layers(model):
+        parent, _, child = name.rpartition('.')
+        setattr(model.get_submodule(parent), child, m.get_base_layer())
+    return model
 
 
 def micro_batches(lengths, budget):
@@ -365,7 +429,7 @@ def reference_log_probs(ref_model, batch, cfg):
     lengths = batch['attention_mask'].sum(1).tolist()
     for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
         L = max(lengths[i] for i in mb)
-        with autocast(cfg):  # as the policy's forward in the update: dtype rounding is not a KL
+        with autocast(cfg), adapters_off(ref_model):  # autocast as in the update: dtype rounding is not a KL
             out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
                                                  batch['attention_mask'][mb, :L].to(cfg['device']),
                                                  cfg['temperature']).float().cpu()

@@ -34,7 +34,8 @@ import report
 from advantage import grpo_advantage, memory_advantage, token_advantages
 from config import all_reduce, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
 from gym import load_gym
-from model import autocast, count_params, load_policy, micro_batches, reference_log_probs, sequence_log_probs
+from model import (autocast, count_params, fold_lora, load_policy, lora_layers, merged, micro_batches, reference_log_probs,
+                   sequence_log_probs)
 from rollout import check_prompts_fit, collate, episode_rows, memory_rewards, run_tasks
 
 # -----------------------------------------------------------------------------
@@ -328,6 +329,12 @@ def warm_start(model, gym_, cfg, rng):
 # start or resume
 
 
+def reference_of(model):
+    """The frozen KL reference: a copy of the policy, or with LoRA the policy itself, which
+    reference_log_probs runs with its adapters off (the base weights; no second copy)."""
+    return model if lora_layers(model) else copy.deepcopy(model).eval()
+
+
 def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
     """A fresh run (warm start, reference copy, step-0 evaluation) or the newest checkpoint's state
     (weights, optimizer, reference, RNG streams, metrics truncated to its step). A fresh run never
@@ -357,7 +364,8 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
             fail(f'warm start: {e}')
         if sft_loss is not None and rank() == 0:
             print(f'warm start: {cfg["warmstart_steps"]} steps, loss {sft_loss:.3f} (mean of the last 10), {time.time() - t0:.0f}s')
-        ref_model = copy.deepcopy(model).eval() if cfg['kl_coef'] else None
+        fold_lora(model)  # LoRA: the warm start's update goes into the base weights, the reference's
+        ref_model = reference_of(model) if cfg['kl_coef'] else None
         log0 = dict(step=0, **evaluate(model, gym_, cfg, 0))
         if rank() == 0:  # step 0: the warm-started policy, before any RL
             report.print_eval(log0, gym_)
@@ -370,9 +378,8 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         opt.load_state_dict(state['optimizer'])
     except (RuntimeError, ValueError, KeyError) as e:
         fail(f'{path} does not fit this config (was the model changed?): {str(e).splitlines()[0]}')
-    ref_model = None
-    if cfg['kl_coef']:
-        ref_model = copy.deepcopy(model).eval()
+    ref_model = reference_of(model) if cfg['kl_coef'] else None
+    if ref_model is not None and ref_model is not model:
         ref_model.load_state_dict(state['ref_model'])
     rng.setstate(state['rng']['python'])
     torch.set_rng_state(state['rng']['torch'])
@@ -468,12 +475,12 @@ def main(argv):
             if master:
                 report.save_checkpoint(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
                                      rng=dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gens),
-                                     ref_model=ref_model.state_dict() if ref_model is not None else None,
+                                     ref_model=ref_model.state_dict() if ref_model not in (None, model) else None,
                                      vocab=getattr(gym_['tok'], 'itos', None)),  # the tiny model's words
                                 cfg['out_dir'], step, cfg['keep_checkpoints'])
     if master:
         if cfg['model'] != 'tiny':  # a trained HF policy that transformers or vLLM can load and serve
-            model.save_pretrained(os.path.join(cfg['out_dir'], 'hf'), safe_serialization=True)
+            merged(model).save_pretrained(os.path.join(cfg['out_dir'], 'hf'), safe_serialization=True)  # LoRA folded in
             gym_['tok'].save_pretrained(os.path.join(cfg['out_dir'], 'hf'))
         report.plot_metrics(metrics_path, os.path.join(cfg['out_dir'], report.CURVES))
         print(report.run_summary(cfg['out_dir'], cfg, time.time() - t_start))

@@ -329,6 +329,44 @@ def test_ppo_first_minibatch_ratio_is_one_and_the_update_moves_the_policy(tok, m
     assert moved > 1e-4
 
 
+def test_lora_trains_adapters_only_and_its_reference_is_the_base(tok, model):
+    """lora_rank: after a PPO update only adapter weights moved, the first mini-batch's ratio is 1, and
+    the reference (the policy with its adapters off) gives the base model's log-probs; fold_lora makes
+    the base the trained policy, and merged() leaves a plain model with the policy's log-probs."""
+    pytest.importorskip('peft')
+    from model import adapters_off, add_lora, fold_lora, lora_layers, merged, reference_log_probs
+    fmt, envs, tasks = searchqa_setup(tok, 2)
+    tasks = [t for t in tasks for _ in range(2)]
+    envs += [searchqa_env(tok) for _ in range(len(tasks) - len(envs))]
+    cfg = dict(CFG, keep_tool_results=1, mini_batches=2, lr=1e-2, kl_coef=0.0)
+    trajs = rollout_batch(model, fmt, envs, tasks, cfg, groups=[0, 0, 1, 1], generator=torch.Generator().manual_seed(2))
+    batch = collate(trajs, fmt.pad_id)
+    batch['rewards'] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv = token_advantages(grpo_advantage(batch['rewards'], batch['group_ids']), batch['row_episode'], batch['action_mask'])
+    policy = add_lora(copy.deepcopy(model), 4, 8.0)
+    assert len(lora_layers(policy)) == 14 and not lora_layers(model)  # 7 linear layers x 2 blocks; lm_head left alone
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    base_logp = reference_log_probs(model, batch, cfg)
+    assert (reference_log_probs(policy, batch, cfg) - base_logp).abs().max() == 0  # B = 0: the policy is the base
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg['lr'])
+    m = train.ppo_update(policy, opt, batch, adv, None, cfg, random.Random(0))
+    assert m['ratio_dev_first_minibatch'] <= 1e-5 and m['bad_steps'] == 0
+    moved = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all('lora_' in n for n in moved)  # base weights, embeddings and lm_head never change
+    assert (reference_log_probs(policy, batch, cfg) - base_logp).abs().max() <= 1e-6  # adapters off = the base
+    with torch.no_grad():
+        trained = sequence_log_probs(policy, batch['ids'], batch['attention_mask'])
+    assert (trained - base_logp).abs().max() > 1e-3  # and the adapters did move the policy
+    fold_lora(policy)
+    with torch.no_grad(), adapters_off(policy):
+        folded_base = sequence_log_probs(policy, batch['ids'], batch['attention_mask'])
+    assert (folded_base - trained).abs().max() <= 1e-5
+    plain = merged(policy)
+    assert not lora_layers(plain) and not any('lora_' in n or 'base_layer' in n for n in plain.state_dict())
+    with torch.no_grad():
+        assert (sequence_log_probs(plain, batch['ids'], batch['attention_mask']) - trained).abs().max() <= 1e-5
+
+
 def test_greedy_evaluation_does_not_depend_on_batching(tok, model):
     """sample.py --eval's numbers: a greedy episode is the same alone or left-padded among others, and
     TT / PT / turns are what the trajectories hold."""
@@ -354,6 +392,22 @@ def run_train(out_dir, *args, timeout=600):
     assert [m['step'] for m in steps] == [1, 2]
     assert all(torch.isfinite(torch.tensor(m['loss'])) and m['bad_steps'] == 0 for m in steps)
     return p, steps
+
+
+def test_train_lora_end_to_end_kl_reference_and_merged_export(tok, tmp_path):
+    """train.py with lora_rank on tiny Qwen3 and a KL term, end to end: the ratio is 1 on each step's
+    first mini-batch, the checkpoint holds the adapters and no copy of the weights for the reference,
+    and the export is a plain model (adapters folded in)."""
+    pytest.importorskip('peft')
+    out = tmp_path / 'run'
+    _, steps = run_train(out, 'config/tiny_qwen3_quixbugs.yaml', '--threads=1', '--lora_rank=4', '--kl_coef=0.1',
+                         '--save_every=1')
+    assert all(m['ratio_dev_first_minibatch'] <= 1e-5 for m in steps) and abs(steps[0]['kl']) < 1e-3
+    state = torch.load(out / 'ckpt_000002.pt', weights_only=False)
+    assert state['ref_model'] is None and any('lora_' in k for k in state['model'])  # no second copy of the weights
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(out / 'hf', dtype=torch.float32)
+    assert not any('lora_' in k or 'base_layer' in k for k in exported.state_dict())
 
 
 def check_export(out_dir, reference, tok_ids=None):
