@@ -234,6 +234,20 @@ def make_trajectory(ep):
 # sampling
 
 
+def stack_caches(model, past, Lc, device):
+    """One batch KV cache [B, H, Lc, D] per layer from generate's per-row past: row b's n cached
+    positions end at Lc, zeros (masked out) before them; a row without a cache is all zeros."""
+    layers, template = [], next(p for p in past if p is not None)[0]
+    for li, (k0, v0) in enumerate(template):
+        k = k0.new_zeros(len(past), k0.shape[0], Lc, k0.shape[2])
+        v = v0.new_zeros(len(past), v0.shape[0], Lc, v0.shape[2])
+        for b, p in enumerate(past):
+            if p is not None:
+                k[b, :, Lc - p[1]:], v[b, :, Lc - p[1]:] = p[0][li][0][:, :p[1]], p[0][li][1][:, :p[1]]
+        layers.append((k.to(device), v.to(device)))
+    return make_cache(model, layers)
+
+
 @torch.no_grad()
 def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0, past=None,
              return_caches=False):
@@ -260,17 +274,7 @@ def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generat
         attn[b, Lc + L - len(c) + n:] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = position_ids_from_mask(attn)[:, Lc:]
-    cache = None
-    if Lc:  # the reused caches, left-padded to Lc positions, into one batch cache
-        layers, template = [], next(p for p in past if p is not None)[0]
-        for li, (k0, v0) in enumerate(template):
-            k = k0.new_zeros(B, k0.shape[0], Lc, k0.shape[2])
-            v = v0.new_zeros(B, v0.shape[0], Lc, v0.shape[2])
-            for b, p in enumerate(past):
-                if p is not None:
-                    k[b, :, Lc - p[1]:], v[b, :, Lc - p[1]:] = p[0][li][0][:, :p[1]], p[0][li][1][:, :p[1]]
-            layers.append((k.to(device), v.to(device)))
-        cache = make_cache(model, layers)
+    cache = stack_caches(model, past, Lc, device) if Lc else None
     logits, cache = forward_cached(model, ids, attn, pos, cache)  # [B, V]: only the last position is projected
     rows = torch.arange(B, device=device)  # which context each live batch row belongs to
     next_pos = pos[:, -1] + 1
