@@ -137,9 +137,10 @@ def reward_quality_corr(mem_r, turn_valid, trajs):
     """{'mem_reward_quality_corr': Pearson correlation over the valid turns between the memory reward
     (mem_r [N, K]) and the memory quality the gym logs per turn (info['mem_quality_turns'], the memory
     gym's), or {} when fewer than 3 turns have both or either side is constant. Does the memory
-    reward pay for memories that keep what later turns need (issue #16)?"""
-    pairs = [(float(mem_r[n, k]), q) for n, t in enumerate(trajs)
-             for k, q in enumerate(t.info.get('mem_quality_turns', ())) if q is not None and turn_valid[n, k]]
+    reward pay for memories that keep what later turns need (issue #16)? The turns of every rank are
+    gathered first, so all ranks return the same keys and value."""
+    pairs = gather([(float(mem_r[n, k]), q) for n, t in enumerate(trajs)
+                    for k, q in enumerate(t.info.get('mem_quality_turns', ())) if q is not None and turn_valid[n, k]])
     if len(pairs) < 3:
         return {}
     r, q = torch.tensor(pairs, dtype=torch.float64).T
