@@ -16,8 +16,9 @@ Rows (ratio > 1 means we are faster):
   tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
                                 token; TinyAgent, episodes of N tokens (prompt + generated, no stop)
   hf_rollout_vs_generate        rollout.generate vs Hugging Face model.generate on a tiny Qwen3
-                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M
-  multiturn_kv_reuse_vs_reprefill 4 turns of full history with 300-token observations: kv_reuse
+                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M. Under 1.2x
+                                it also prints where the time goes (top operators of each path)
+  multiturn_rollout_kv_reuse_vs_reprefill 4 turns of full history with 300-token observations: kv_reuse
                                 (prefill only the new tokens) vs re-prefilling each turn; tiny Qwen3,
                                 and _smollm2 on SmolLM2-135M
   ppo_update_tokens_per_s       train.ppo_update vs a naive update, one unbatched forward/backward
@@ -67,6 +68,7 @@ SIZES = dict(
 )
 TINY_LENGTHS = (64, 128, 256)
 TINY_VOCAB = 512  # about the BugFix word vocabulary (400 words)
+GOAL_VS_GENERATE = 1.2  # hf_rollout_vs_generate rows below this print where_time_goes
 
 # -----------------------------------------------------------------------------
 # timing
@@ -233,11 +235,27 @@ def bench_hf_rollout(args, sz, name, model, vocab, pad_id):
     def ours():
         with autocast(args.device):
             generate(model, contexts, [], new, 1.0, torch.Generator(args.device).manual_seed(0), pad_id)
-    t_ours, t_base = median_times([ours, hf_generate_fn(model, contexts, new, pad_id, args.device)], args.device,
-                                  sz['reps'], sz['warmup'])
+    base = hf_generate_fn(model, contexts, new, pad_id, args.device)
+    t_ours, t_base = median_times([ours, base], args.device, sz['reps'], sz['warmup'])
     tokens = len(contexts) * new
+    if t_base / t_ours < GOAL_VS_GENERATE:
+        print(where_time_goes(name, [('ours', ours), ('model.generate', base)]))
     return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
                note=f'B={len(contexts)}, prompts 8-24, {new} new tokens, {count_params(model) / 1e6:.1f}M params')
+
+
+def where_time_goes(name, fns, top=6):
+    """A profile of one run of each fn (torch.profiler, CPU self time): the `top` operators and the
+    share of the run they take, printed when a row misses its goal."""
+    from torch.profiler import ProfilerActivity, profile
+    lines = [f'{name} is under {GOAL_VS_GENERATE}x; where the time goes (self time of the top operators):']
+    for label, fn in fns:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops) or 1
+        lines.append(f'  {label}: ' + ', '.join(f'{e.key} {100 * e.self_cpu_time_total / total:.0f}%' for e in ops[:top]))
+    return '\n'.join(lines)
 
 
 def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
@@ -284,7 +302,7 @@ def bench_smollm2(args, sz):
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     return [bench_hf_rollout(args, dict(sz, hf_B=max(2, sz['hf_B'] // 4), hf_new=32), 'hf_rollout_vs_generate_smollm2',
                              model, vocab, pad_id),
-            bench_multiturn_kv(args, sz, 'multiturn_kv_reuse_vs_reprefill_smollm2', model, vocab, pad_id)]
+            bench_multiturn_kv(args, sz, 'multiturn_rollout_kv_reuse_vs_reprefill_smollm2', model, vocab, pad_id)]
 
 
 def synthetic_batch(model, R, T, vocab, seed, device):
@@ -472,7 +490,7 @@ def main(argv=None):
     benches = dict(tiny=lambda: bench_tiny_rollout(args, sz),
                    hf=lambda: [bench_hf_rollout(args, sz, 'hf_rollout_vs_generate', tiny_qwen3_model(args, sz),
                                                 151669, 151643),
-                               bench_multiturn_kv(args, sz, 'multiturn_kv_reuse_vs_reprefill', tiny_qwen3_model(args, sz),
+                               bench_multiturn_kv(args, sz, 'multiturn_rollout_kv_reuse_vs_reprefill', tiny_qwen3_model(args, sz),
                                                   151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
                    ppo=lambda: [bench_ppo(args, sz, peak)],

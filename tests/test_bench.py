@@ -46,7 +46,7 @@ def test_nocache_baseline_matches_kv_cache_greedy_on_tiny_qwen3():
 def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     rows = run_smoke(tmp_path, 'tiny,hf,ppo')
     check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',
-                      'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'multiturn_kv_reuse_vs_reprefill',
+                      'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'multiturn_rollout_kv_reuse_vs_reprefill',
                       'ppo_update_tokens_per_s'])
     assert rows[-1]['mfu'] > 0  # against the measured CPU matmul peak
 
@@ -55,3 +55,11 @@ def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec('trl') is None, reason='trl is in requirements-bench.txt only')
 def test_smoke_rl_step_vs_trl_row(tmp_path):
     check_rows(run_smoke(tmp_path, 'rl'), ['rl_step_vs_trl'])
+
+
+def test_where_time_goes_names_the_top_operators_of_each_path():
+    m, x = torch.nn.Linear(32, 32), torch.randn(8, 32)
+    out = bench.where_time_goes('row', [('ours', lambda: m(x)), ('base', lambda: torch.softmax(m(x), -1))], top=3)
+    lines = out.splitlines()
+    assert lines[0].startswith('row is under 1.2x') and lines[1].startswith('  ours: ') and lines[2].startswith('  base: ')
+    assert 'aten::' in lines[1] and lines[1].count('%') == 3 and 'softmax' in lines[2]
