@@ -464,11 +464,11 @@ OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only=
 
 
 def print_table(rows):
-    print(f"{'name':<42} {'value':>12} {'baseline':>12} {'ratio':>7}  {'unit':<6} note")
+    print(f"{'name':<48} {'value':>12} {'baseline':>12} {'ratio':>7}  {'unit':<6} note")
     for r in rows:
         note = r.get('note', '') + (f", MFU {100 * r['mfu']:.2f}% (baseline {100 * r['mfu_baseline']:.2f}%) of "
                                     f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak_source']})" if 'mfu' in r else '')
-        print(f"{r['name']:<42} {r['value']:>12.1f} {r['baseline']:>12.1f} {r['ratio']:>6.2f}x  {r['unit']:<6} {note}")
+        print(f"{r['name']:<48} {r['value']:>12.1f} {r['baseline']:>12.1f} {r['ratio']:>6.2f}x  {r['unit']:<6} {note}")
 
 
 def main(argv=None):
