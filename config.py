@@ -34,6 +34,7 @@ config = dict(
     # model
     model='tiny',                # tiny | a Hugging Face name or path
     gguf_file='',
+    chat_template='',            # '' = the model's own; 'qwen3' = ours (templates/qwen3.jinja, with tools); or a .jinja path
     n_layer=2, n_head=4, n_embd=128, max_len=256,
     grad_checkpointing=False,
     lora_rank=0,                 # > 0: train LoRA adapters of this rank only (optional package peft); 0: every weight
@@ -110,8 +111,8 @@ def check_key(key, value, cfg):
     """value, type-checked against cfg[key] (ints are accepted for floats); exits 2 on an unknown key or
     a wrong type."""
     if key not in cfg:
-        close = difflib.get_close_matches(key, list(cfg), n=1) or [
-            k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1]  # lr_rate -> lr
+        close = [k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1] or \
+            difflib.get_close_matches(key, list(cfg), n=1)  # lr_rate -> lr (not lora_rank), stpes -> steps
         fail(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
     default = cfg[key]
     ok_types = TYPES.get(key, (type(default),))
@@ -203,6 +204,8 @@ def load_config(argv, defaults=config):
             fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")
     if cfg['lora_rank'] < 0 or cfg['lora_alpha'] <= 0:
         fail(f"config keys 'lora_rank' (>= 0) and 'lora_alpha' (> 0), got {cfg['lora_rank']!r} and {cfg['lora_alpha']!r}")
+    if cfg['chat_template'] and cfg['model'] == 'tiny':
+        fail("config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template")
     if cfg['lora_rank'] and cfg['model'] == 'tiny':
         fail("config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'")
     if not 0 <= cfg['oracle_forget'] <= 1:

@@ -173,25 +173,34 @@ def offline_hint():
     return 'a hub name needs the network; offline, set HF_HUB_OFFLINE=1 and give a local path'
 
 
-def load_tokenizer(name, gguf_file=''):
+def load_tokenizer(name, gguf_file='', chat_template=''):
     """The tokenizer for a policy name: 'tiny-qwen3' (a random tiny model for offline tests) uses the
-    real Qwen3 tokenizer; 'smollm2' the packaged SmolLM2-135M-Instruct; anything else is a Hugging
-    Face name or path (with gguf_file: the tokenizer inside that gguf file, as the weights). Templates
-    without tool support get ours (render_tools_template). Raises OSError, one line naming the model,
-    when it cannot be loaded."""
+    real Qwen3 tokenizer; 'smollm2' the packaged SmolLM2-135M-Instruct (with our tool template, part
+    of that shortcut); anything else is a Hugging Face name or path (with gguf_file: the tokenizer
+    inside that gguf file, as the weights) with its own chat template. chat_template replaces it, an
+    explicit choice: 'qwen3' (templates/qwen3.jinja, ChatML with tools) or a path to a Jinja file.
+    Raises OSError, one line naming the model or the file, when either cannot be loaded."""
     if name == 'tiny-qwen3':
-        return qwen_tokenizer()
-    if name == 'smollm2':
-        return load_smollm2_tokenizer()
-    from transformers import AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(name, **({'gguf_file': gguf_file} if gguf_file else {}))
-    except (OSError, ValueError) as e:  # unknown name, no network, not a model folder
-        raise OSError(f"cannot load the tokenizer of model {name!r}{' (gguf_file ' + repr(gguf_file) + ')' if gguf_file else ''}: "
-                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__} ({offline_hint()})") from None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return render_tools_template(tok)
+        tok = qwen_tokenizer()
+    elif name == 'smollm2':
+        tok = load_smollm2_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(name, **({'gguf_file': gguf_file} if gguf_file else {}))
+        except (OSError, ValueError) as e:  # unknown name, no network, not a model folder
+            raise OSError(f"cannot load the tokenizer of model {name!r}{' (gguf_file ' + repr(gguf_file) + ')' if gguf_file else ''}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__} ({offline_hint()})") from None
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+    if chat_template:
+        path = QWEN3_TEMPLATE if chat_template == 'qwen3' else Path(chat_template)
+        try:
+            tok.chat_template = chat_template_text(path)
+        except OSError as e:
+            raise OSError(f"config key 'chat_template': cannot read {str(path)!r} ({e.strerror}); "
+                          f"use 'qwen3' or a path to a Jinja template") from None
+    return tok
 
 # -----------------------------------------------------------------------------
 # rendering and owners
@@ -514,6 +523,9 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
     except Exception as e:
         raise ValueError(f"model {name!r}: its chat template cannot render the gym's turns "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if tools and not has_tool_template(tok):  # never replaced behind the user's back
+        raise ValueError(f"model {name!r}: its chat template cannot render tool schemas, which this gym needs; "
+                         f"chat_template: qwen3 uses ours ({QWEN3_TEMPLATE.relative_to(TEMPLATE_DIR.parent)})")
 
     def mem_span(response):
         return span_through(tok, response, '</mem>') or 0

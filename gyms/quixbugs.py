@@ -587,7 +587,7 @@ def scripted_actions(task, policy="oracle"):
 def setup(cfg, vocab=None):
     """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the
     schemas of the four tools in the system turn of the policy's chat template. No warm start."""
-    tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"])
+    tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
     eval_tasks = make_tasks("heldout")
     return dict(tok=tok, fmt=hf.chat_format(tok, tools=tool_schemas(), enable_thinking=cfg["enable_thinking"]),
                 train_tasks=make_tasks("train"), eval_tasks=eval_tasks[:cfg["eval_tasks"] or len(eval_tasks)],

@@ -380,7 +380,7 @@ def setup(cfg, vocab=None):
     imitates oracle_policy when every training task has supporting titles (HotpotQA), else None."""
     train_tasks = make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
     eval_tasks = make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
-    tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'])
+    tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'], cfg['chat_template'])
     stable, detail = hf.check_prefix_stability(tok, enable_thinking=cfg['enable_thinking'])
     if not stable and os.environ.get('RANK', '0') == '0':  # we never re-render: every turn trains in the context it was sampled in
         print(f'chat template rewrites history ({detail}); contexts are kept per turn as sampled')

@@ -39,6 +39,11 @@ def run_train(*args):
     (['--model=smollm2'], "gym 'bugfix' builds its own word vocabulary for model: tiny, not 'smollm2'"),
     (['--gym=searchqa', '--model=no-such-org/no-such-model'],
      "cannot load the tokenizer of model 'no-such-org/no-such-model'"),
+    (['--lora_rank=4'], "config key 'lora_rank' needs a Hugging Face model"),
+    (['--chat_template=qwen3'], "config key 'chat_template' needs a Hugging Face model"),
+    (['--gym=memory', '--oracle_forget=1.5'], "config key 'oracle_forget' is a probability, in [0, 1], got 1.5"),
+    (['--gym=quixbugs', '--model=tiny-qwen3', '--chat_template=no/such.jinja'],
+     "config key 'chat_template': cannot read 'no/such.jinja'"),
 ])
 def test_config_errors_exit_2_with_one_line(args, needle):
     p = run_train(*args)

@@ -130,3 +130,25 @@ def test_a_template_whose_turns_cannot_be_found_raises_naming_the_model(llama, t
         hf.stop_ids(tok)
     with pytest.raises(ValueError, match=f"^model '{tok.name_or_path}': its chat template {missing}"):
         hf.chat_format(tok, memory=True)
+
+
+def test_a_template_without_tools_is_never_replaced_silently(llama, tmp_path):
+    """A model folder whose template has no tool support keeps it (no silent swap); a gym that needs
+    tool schemas stops with one line naming the model and the explicit choice; chat_template: qwen3
+    (or a path) replaces it on request; a missing template file is one line too."""
+    folder = tmp_path / 'llama-like'
+    llama.save_pretrained(folder)
+    tok = hf.load_tokenizer(str(folder))
+    assert tok.chat_template == LLAMA3_TEMPLATE and not hf.has_tool_template(tok)
+    hf.chat_format(tok, memory=True)  # a gym without tools is fine with it
+    with pytest.raises(ValueError) as e:
+        hf.chat_format(tok, tools=[{'type': 'function', 'function': {'name': 'read', 'description': 'r',
+                                                                     'parameters': {'type': 'object', 'properties': {}}}}])
+    msg = str(e.value)
+    assert '\n' not in msg and str(folder) in msg and 'cannot render tool schemas' in msg and 'chat_template: qwen3' in msg
+    assert hf.has_tool_template(hf.load_tokenizer(str(folder), chat_template='qwen3'))
+    (tmp_path / 'mine.jinja').write_text(LLAMA3_TEMPLATE + '{# mine #}')
+    assert hf.load_tokenizer(str(folder), chat_template=str(tmp_path / 'mine.jinja')).chat_template.endswith('{# mine #}')
+    with pytest.raises(OSError) as e:
+        hf.load_tokenizer(str(folder), chat_template=str(tmp_path / 'missing.jinja'))
+    assert "config key 'chat_template': cannot read" in str(e.value) and '\n' not in str(e.value)
