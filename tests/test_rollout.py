@@ -85,17 +85,19 @@ def test_logp_gap_batched_kv_rollout_full_history_and_folded(mem_setup):
 
 
 def test_kv_reuse_with_the_tiny_model(mem_setup):
-    """The TinyAgent's list cache through kv_reuse: greedy, the same ids and log-probs (1e-5) as
-    re-prefilling every turn; sampled, the stored log-probs are the trainer's (1e-5)."""
+    """The TinyAgent's list cache through kv_reuse: greedy and sampled (same generator seed), the same
+    ids and log-probs (1e-5) as re-prefilling every turn (a 100-word vocabulary: float rounding does
+    not move a draw here, unlike test_real_models' flat 152k-token one); the stored log-probs are the
+    trainer's (1e-5)."""
     tok, model, fmt = mem_setup
     tasks = gm.make_tasks('train', 12, seed=3)
-    for keep in ('all', 1):
-        plain, reused = [rollout_batch(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks,
-                                       dict(CFG, keep_tool_results=keep, kv_reuse=r), temperature=0.0) for r in (False, True)]
+    for keep, temperature in [('all', 0.0), (1, 0.0), ('all', 1.0), (1, 1.0)]:
+        plain, reused = [rollout_batch(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks, dict(CFG, keep_tool_results=keep, kv_reuse=r),
+                                       generator=torch.Generator().manual_seed(0), temperature=temperature) for r in (False, True)]
         assert max(len(t.turns) for t in plain) >= 3
         for a, b in zip(plain, reused):
             assert a.ids.tolist() == b.ids.tolist() and (a.sample_logp - b.sample_logp).abs().max() <= 1e-5
-        trajs = sampled(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks, dict(CFG, keep_tool_results=keep, kv_reuse=True))
+        trajs = reused
         b = collate(trajs, tok.pad_id)
         with torch.no_grad():
             logp = sequence_log_probs(model, b['ids'], b['attention_mask'])
