@@ -200,6 +200,11 @@ def load_tokenizer(name, gguf_file='', chat_template=''):
         except OSError as e:
             raise OSError(f"config key 'chat_template': cannot read {str(path)!r} ({e.strerror}); "
                           f"use 'qwen3' or a path to a Jinja template") from None
+        try:  # a template that does not parse or render is the file's fault, not the model's
+            render(tok, [{'role': 'user', 'content': 'hi'}], add_generation_prompt=True)
+        except Exception as e:
+            raise OSError(f"config key 'chat_template': {str(path)!r} cannot render a user turn "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return tok
 
 # -----------------------------------------------------------------------------

@@ -336,6 +336,9 @@ def load_policy(cfg, vocab_size=None):
                 raise OSError(f"cannot load model {cfg['model']!r}: {str(e).splitlines()[0]}") from None
         model.max_len = cfg['max_len']
         if cfg['lora_rank']:
+            if cfg['lora_rank'] > model.config.hidden_size:
+                raise ValueError(f"config key 'lora_rank' ({cfg['lora_rank']}) is above the model's hidden size "
+                                 f"({model.config.hidden_size}): an adapter that wide is no longer low-rank")
             add_lora(model, cfg['lora_rank'], cfg['lora_alpha'])
         if cfg['grad_checkpointing']:
             model.gradient_checkpointing_enable()

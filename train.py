@@ -494,6 +494,6 @@ if __name__ == '__main__':
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt:  # one line, not a traceback: what was saved is kept
-        print("\ninterrupted: checkpoints and metrics.jsonl written so far are kept; --resume=True continues "
-              "from the newest checkpoint", file=sys.stderr)
+        print("\ninterrupted: what out_dir holds is kept (checkpoints every save_every RL steps, none during the "
+              "warm start); --resume=True continues from the newest checkpoint, or starts over without one", file=sys.stderr)
         sys.exit(130)

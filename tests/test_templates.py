@@ -152,3 +152,7 @@ def test_a_template_without_tools_is_never_replaced_silently(llama, tmp_path):
     with pytest.raises(OSError) as e:
         hf.load_tokenizer(str(folder), chat_template=str(tmp_path / 'missing.jinja'))
     assert "config key 'chat_template': cannot read" in str(e.value) and '\n' not in str(e.value)
+    (tmp_path / 'broken.jinja').write_text('{% for m in messages %}')  # does not parse: the file is named
+    with pytest.raises(OSError) as e:
+        hf.load_tokenizer(str(folder), chat_template=str(tmp_path / 'broken.jinja'))
+    assert "'chat_template'" in str(e.value) and 'broken.jinja' in str(e.value) and 'cannot render' in str(e.value)

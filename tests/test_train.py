@@ -92,7 +92,7 @@ def test_ctrl_c_prints_one_line_and_keeps_the_files(tmp_path):
     p.send_signal(signal.SIGINT)
     err = p.communicate(timeout=60)[1]
     assert p.returncode == 130 and 'Traceback' not in err, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith('interrupted: checkpoints and metrics.jsonl written so far are kept')
+    assert err.strip().splitlines()[-1].startswith('interrupted: what out_dir holds is kept')
     assert list(tmp_path.glob('ckpt_*.pt')) and (tmp_path / 'metrics.jsonl').read_text().startswith('{"step": 0')
 
 
