@@ -430,10 +430,11 @@ def reference_log_probs(ref_model, batch, cfg):
     of at most max_tokens_per_microbatch padded tokens, at the sampling temperature."""
     out = torch.zeros_like(batch['sample_logp'])
     lengths = batch['attention_mask'].sum(1).tolist()
-    for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
-        L = max(lengths[i] for i in mb)
-        with autocast(cfg), adapters_off(ref_model):  # autocast as in the update: dtype rounding is not a KL
-            out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
-                                                 batch['attention_mask'][mb, :L].to(cfg['device']),
-                                                 cfg['temperature']).float().cpu()
+    with adapters_off(ref_model):  # LoRA: the reference is the base weights
+        for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
+            L = max(lengths[i] for i in mb)
+            with autocast(cfg):  # as the policy's forward in the update: dtype rounding is not a KL
+                out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
+                                                     batch['attention_mask'][mb, :L].to(cfg['device']),
+                                                     cfg['temperature']).float().cpu()
     return out
