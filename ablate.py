@@ -46,7 +46,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from report import read_metrics
-from config import fail, load_config, parse_options
+from config import config as config_defaults, fail, load_config, parse_options
+from gym import gym_module
 
 VARIANTS = {  # name -> overrides on top of the config file
     'mempo': [],
@@ -124,7 +125,9 @@ def run_config(config, variant, seed, out_dir, extra):
     extra, or a missing config file, stops here with train.py's one-line error, before any run."""
     # --overwrite: ablate decided to (re)run this out_dir, so an earlier run's checkpoints there go
     args = [config, *{**VARIANTS, **MAIN_VARIANTS}[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
-    return [sys.executable, 'train.py', *args], load_config(args)
+    cfg = load_config(args)
+    gym_module(cfg, config_defaults)  # a gym-specific key this gym ignores stops here too, before any run
+    return [sys.executable, 'train.py', *args], cfg
 
 
 def is_finished(out_dir, cfg):

@@ -69,6 +69,7 @@ config = dict(
     group_size=8,                # rollouts per task
     lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,
     warmup_steps=5,
+    min_lr=-1.0,                 # >= 0: cosine decay from lr to min_lr over the RL steps after warm-up; < 0: constant lr
     grad_clip=1.0,
     ppo_epochs=1,
     mini_batches=2,              # mini-batches per epoch (each an optimizer step)
@@ -199,6 +200,8 @@ def load_config(argv, defaults=config):
     for key, value in cfg.items():  # nan and inf pass every comparison below and end in a traceback later
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"config key '{key}' must be a finite number, got {value!r}")
+    if cfg['min_lr'] > cfg['lr']:
+        fail(f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant")
     for key in ('beta1', 'beta2'):
         if not 0 <= cfg[key] < 1:
             fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")

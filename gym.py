@@ -82,15 +82,10 @@ def gym_modules(broken=None):
     return mods
 
 
-def load_gym(cfg, vocab=None, defaults=None):
-    """Set up the gym cfg['gym'] -> the dict its setup returns (see the contract above).
-
-    vocab: a checkpoint's tiny vocabulary (list of words) or None. defaults: the config defaults
-    (config.config); with them, a gym-specific key this gym does not read must keep its default.
-    Every error exits with status 2 and one line: an unknown gym, a model of the wrong kind, an
-    unused gym-specific key, mem_coef > 0 without answer_text, bad data (OSError or ValueError from
-    setup), a missing key in setup's dict, an empty split, a checkpoint vocabulary without some word
-    of the gym's texts."""
+def gym_module(cfg, defaults=None):
+    """The module of gym cfg['gym'], after the checks that need no setup: an unknown or broken gym, a
+    model of the wrong kind, a gym-specific key this gym does not read set away from its default (with
+    defaults, the config defaults), mem_coef > 0 in a gym without <mem>. Each exits 2 with one line."""
     broken = {}
     name, gyms = cfg['gym'], gym_modules(broken)
     if name in broken:
@@ -111,6 +106,17 @@ def load_gym(cfg, vocab=None, defaults=None):
     if cfg['mem_coef'] > 0 and getattr(mod, 'answer_text', None) is None:
         mem = ', '.join(n for n, m in gyms.items() if getattr(m, 'answer_text', None) is not None)
         fail(f"config key 'mem_coef' ({cfg['mem_coef']}) needs a gym whose turns write <mem> ({mem}), not {name!r}")
+    return mod
+
+
+def load_gym(cfg, vocab=None, defaults=None):
+    """Set up the gym cfg['gym'] -> the dict its setup returns (see the contract above).
+
+    vocab: a checkpoint's tiny vocabulary (list of words) or None. defaults: the config defaults
+    (config.config), for gym_module's key check. Every error exits with status 2 and one line: those
+    of gym_module, bad data (OSError or ValueError from setup), a missing key in setup's dict, an
+    empty split, a checkpoint vocabulary without some word of the gym's texts."""
+    mod, name = gym_module(cfg, defaults), cfg['gym']
     try:
         gym_ = mod.setup(cfg, vocab)
     except (OSError, ValueError) as e:  # bad data or settings stop here, before any training

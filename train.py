@@ -396,6 +396,16 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
 # -----------------------------------------------------------------------------
 
 
+def learning_rate(step, cfg):
+    """The RL learning rate at step (1-based): a linear warm-up over warmup_steps, then constant, or with
+    min_lr >= 0 a cosine decay to min_lr at the last step (as nanoGPT's get_lr)."""
+    warmup = max(1, cfg['warmup_steps'])
+    if step < warmup or cfg['min_lr'] < 0:
+        return cfg['lr'] * min(1.0, step / warmup)
+    frac = (step - warmup) / max(1, cfg['steps'] - warmup)
+    return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg['lr'] - cfg['min_lr'])
+
+
 def init_run(cfg):
     """Threads, out_dir, seeds, the newest checkpoint (resume), the gym and the policy. Returns
     (gym_, model, rng, gen, (state, path)); every bad input exits 2 with one line."""
@@ -448,7 +458,7 @@ def main(argv):
     for step in report.progress(range(start + 1, cfg['steps'] + 1), 'RL', cfg, initial=start, total=cfg['steps'],
                                 show=master):
         t0 = time.time()
-        lr = cfg['lr'] * min(1.0, step / max(1, cfg['warmup_steps']))  # linear warm-up, then constant
+        lr = learning_rate(step, cfg)
         for g in opt.param_groups:
             g['lr'] = lr
         m, trajs, batch, adv = train_step(model, ref_model, opt, gym_, cfg, rng, gen)

@@ -520,4 +520,4 @@ def setup(cfg, vocab=None):
     baselines = reference_baselines(eval_tasks, cfg['max_turns'])
     return dict(tok=tok, fmt=word_format(tok), train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
                 make_env=lambda: BugFixEnv(cfg['max_turns']), warm_policy=warm_policy,
-                baselines={k: baselines[k] for k in ('random_calls', 'any_edit')}, answer_text=None)
+                baselines=baselines, answer_text=None)

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import pytest
 
@@ -189,6 +190,14 @@ def test_main_dry_run_runs_the_main_config_once_per_seed(tmp_path, capsys):
     ablate.main(['--main', f'--out={tmp_path}', '--seeds=1,2', '--dry_run', '--steps=2'])
     cmds = capsys.readouterr().out.strip().splitlines()
     assert len(cmds) == 2 and all(c.startswith('train.py config/tiny.yaml --seed=') and '--steps=2' in c for c in cmds)
+
+
+def test_dry_run_stops_on_a_key_the_gym_ignores(tmp_path, capsys):
+    """oracle_forget is a memory-gym key: the main job (bugfix) would ignore it, so no run starts."""
+    with pytest.raises(SystemExit) as e:
+        ablate.main(['--main', f'--out={tmp_path}', '--seeds=1', '--dry_run', '--oracle_forget=0.5'])
+    assert e.value.code == 2 and "config key 'oracle_forget' is not used by gym 'bugfix'" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize('arg', ['--jobs=abc', '--jobs=0', '--jobs=1,2', '--seeds=1,x', '--ks=two', '--ks=0,2',

@@ -22,8 +22,10 @@ SMALL = ['--gym=bugfix', '--train_variants=2', '--warmstart_episodes=16', '--war
 def train(out_dir, *args, check=True, wait=True, small=SMALL):
     cmd = [sys.executable, 'train.py', *small, f'--out_dir={out_dir}', *args]
     env = dict(os.environ, HF_HUB_OFFLINE='1')
-    if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if not wait:  # SIGINT back to its default: a shell's background job (nohup ... &, some CI runners) starts with it
+        # ignored, a child inherits that, and Python then installs no KeyboardInterrupt handler at all
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
@@ -45,7 +47,8 @@ def reference(tmp_path_factory):
 def test_same_seed_same_metrics_on_cpu(reference, tmp_path):
     train(tmp_path, '--steps=6', '--save_every=1')
     assert metrics(tmp_path) == reference
-    assert len(reference) == 7 and reference[0]['step'] == 0 and 'eval_baseline_any_edit' in reference[0]
+    assert len(reference) == 7 and reference[0]['step'] == 0
+    assert {'eval_baseline_any_edit', 'eval_baseline_random_calls', 'eval_baseline_tester'} <= set(reference[0])
     for key in ('reward_mean', 'success_rate', 'truncation_rate', 'logp_gap_max', 'ratio_dev_first_minibatch',
                 'clip_frac', 'entropy', 'loss', 'grad_norm'):
         assert key in reference[1]
@@ -84,7 +87,6 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     assert metrics(tmp_path) == reference
 
 
-@pytest.mark.skip(reason='hangs when run inside the full suite (SIGINT never ends the child there; passes alone): to debug')
 def test_ctrl_c_prints_one_line_and_keeps_the_files(tmp_path):
     p = train(tmp_path, '--steps=1000', '--save_every=1', wait=False)
     deadline = time.time() + 300
@@ -215,3 +217,14 @@ def test_memory_quality_reaches_the_episode_metrics():
         ks = [int(k.split('_k')[1]) for k in m if k.startswith('mem_quality_k')]
         assert ks and 1 in ks and max(ks) >= 2 and 0 <= m['mem_quality'] <= 1
         assert all(check(m[f'mem_quality_k{k}'], k) for k in ks), m
+
+
+def test_learning_rate_warms_up_then_stays_or_decays_to_min_lr():
+    from train import learning_rate
+    cfg = dict(lr=1e-3, warmup_steps=5, steps=105, min_lr=-1.0)
+    assert [learning_rate(s, cfg) for s in (1, 5, 50, 105)] == [2e-4, 1e-3, 1e-3, 1e-3]  # constant after warm-up
+    cfg['min_lr'] = 1e-4
+    lrs = [learning_rate(s, cfg) for s in range(1, 106)]
+    assert lrs[:5] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 1e-3])  # the same warm-up
+    assert lrs[54] == pytest.approx(5.5e-4) and lrs[-1] == pytest.approx(1e-4)  # half-way down at the middle, min_lr last
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # never rises after the warm-up
