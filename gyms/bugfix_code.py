@@ -106,6 +106,7 @@ def compact(source):
     return ' <nl> '.join(' '.join(line.split()) for line in source.split('\n'))
 
 
+@lru_cache(maxsize=1 << 20)  # task generation applies the same (source, op) pairs again and again
 def apply_op(source, op):
     """Apply edit op `op` (a key of EDIT_OPS) to Python `source` -> new source, or None if it has no
     site. Indentation is kept: ops never add or remove lines."""
@@ -521,8 +522,9 @@ def precompute_results(tasks):
     (source, case) results computed."""
     jobs = {}
     for t in tasks:
+        cases = [(repr(a), a) for a in t.hidden]
         for src in (*reachable_sources(t.source), t.fixed):
-            jobs.setdefault(src, {}).update({repr(a): a for a in t.hidden if (src, repr(a)) not in _RESULTS})
+            jobs.setdefault(src, {}).update({r: a for r, a in cases if (src, r) not in _RESULTS})
     jobs = [(src, _fn_name(src), list(cases.values())) for src, cases in jobs.items() if cases]
     _run_and_cache(jobs)
     return sum(len(c) for _, _, c in jobs)
