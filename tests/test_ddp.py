@@ -16,6 +16,16 @@ def torchrun(n, *args):
     return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={n}', *args]
 
 
+GLOO_ABORT = 'terminate called without an active exception'  # gloo's teardown on an overloaded machine (SIGABRT)
+
+
+def run_torchrun(cmd, **kw):
+    """subprocess.run of a torchrun command, once more when a rank died of GLOO_ABORT and nothing else:
+    seen twice with other jobs on the 2 cores, never alone; any other failure is returned as it is."""
+    p = subprocess.run(cmd, **kw)
+    return subprocess.run(cmd, **kw) if p.returncode and GLOO_ABORT in p.stderr else p
+
+
 @pytest.mark.parametrize('loss_agg, invalid', [('token-mean', ''), ('seq-mean', ''), ('seq-mean', 'invalid')])
 def test_two_ranks_equal_one_process_after_one_step(tmp_path, loss_agg, invalid):
     """With 'invalid', rank 1 holds only invalid episodes: it adds nothing and still joins every collective."""
@@ -23,8 +33,8 @@ def test_two_ranks_equal_one_process_after_one_step(tmp_path, loss_agg, invalid)
     extra = [invalid] if invalid else []
     subprocess.run([sys.executable, 'tests/ddp_step.py', str(one), loss_agg, *extra], cwd=ROOT, env=ENV, check=True,
                    timeout=300)
-    p = subprocess.run(torchrun(2, 'tests/ddp_step.py', str(two), loss_agg, *extra), cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=300)
+    p = run_torchrun(torchrun(2, 'tests/ddp_step.py', str(two), loss_agg, *extra), cwd=ROOT, env=ENV,
+                     capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = torch.load(one), torch.load(two)
     diff = max(float((x - y).abs().max()) for x, y in zip(a['params'], b['params']))
@@ -34,10 +44,10 @@ def test_two_ranks_equal_one_process_after_one_step(tmp_path, loss_agg, invalid)
 
 @pytest.mark.slow
 def test_torchrun_train_end_to_end(tmp_path):
-    p = subprocess.run(torchrun(2, 'train.py', 'config/tiny.yaml', '--steps=2', '--warmstart_steps=5',
-                                '--warmstart_episodes=16', '--batch_size=2', '--group_size=2', '--eval_every=2',
-                                '--eval_tasks=4', '--eval_samples=1', '--threads=1', f'--out_dir={tmp_path}'),
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    p = run_torchrun(torchrun(2, 'train.py', 'config/tiny.yaml', '--steps=2', '--warmstart_steps=5',
+                              '--warmstart_episodes=16', '--batch_size=2', '--group_size=2', '--eval_every=2',
+                              '--eval_tasks=4', '--eval_samples=1', '--threads=1', f'--out_dir={tmp_path}'),
+                     cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
     assert [l['step'] for l in lines] == [0, 1, 2]  # logged once, by rank 0
