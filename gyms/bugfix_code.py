@@ -308,9 +308,9 @@ def _gen_code(rng):
     atom = lambda: rng.choice(atoms + [const()])
     cmp = lambda: rng.choice(['<', '>', '<=', '>='])
 
-    def expr(pool):
+    def expr(pool):  # a plain name as often as the four forms that add an edit site together
         x, y = rng.choice(pool), rng.choice(pool + [const()])
-        return rng.choice([x, f'{x} + {y}', f'{x} - {y}', f'max ( {x} , {y} )', f'min ( {x} , {y} )'])
+        return rng.choice([x] * 4 + [f'{x} + {y}', f'{x} - {y}', f'max ( {x} , {y} )', f'min ( {x} , {y} )'])
 
     def compare(pool):
         x = rng.choice(pool)
@@ -320,7 +320,7 @@ def _gen_code(rng):
         c = compare(pool)
         return c if rng.random() < 0.6 else f'{c} {rng.choice(["and", "or"])} {compare(pool)}'
 
-    shape = rng.choice(['guard', 'range', 'list', 'bool', 'comp'] if lst else ['guard', 'range', 'bool'])
+    shape = rng.choice(['guard', 'range', 'range', 'list', 'list', 'bool', 'comp'] if lst else ['guard', 'range', 'range', 'bool'])
     if shape == 'guard':
         lines = [f'if {cond(atoms)} : return {expr(atoms)}', f'return {expr(atoms)}']
     elif shape == 'bool':
@@ -329,15 +329,19 @@ def _gen_code(rng):
         end = rng.choice([f'{rng.choice(atoms)}', f'{rng.choice(atoms)} + 1'])
         start = rng.choice(['', '', f'{const()} , '])
         body = rng.choice(['{s} += {i}', '{s} = {s} + {i}', '{s} -= {i}', '{s} = max ( {s} , {i} )',
-                           f'{{s}} = {{s}} + {rng.choice(atoms)}', 'if {i} % 2 == 0 : {s} += 1'])
-        lines = [f'{{s}} = {rng.choice("01")}', f'for {{i}} in range ( {start}{end} ) : {body}',
-                 f'return {expr(["{s}"] + atoms[:1])}']
+                           f'{{s}} = {{s}} + {rng.choice(atoms)}', 'if {i} % 2 == 0 : {s} += 1',
+                           f'if {compare(["{i}"])} : {{s}} = {{i}}', f'if {compare(["{i}"])} : {{s}} += 1'])
+        init = rng.choice(['0', '1', scal[0]] + (['{xs} [ 0 ]', '{xs} [ -1 ]'] if lst else []))
+        loop = f'for {{i}} in range ( {start}{end} ) :'  # an if goes on a line of its own
+        loop = f'{loop}\n    {body}' if body.startswith('if') else f'{loop} {body}'
+        lines = [f'{{s}} = {init}', loop, f'return {expr(["{s}"] + atoms[:1])}']
     elif shape == 'list':
-        init = rng.choice(['{s} = 0', '{s} = 1', '{s} = {xs} [ 0 ]', '{s} = {xs} [ -1 ]'])
+        init = rng.choice(['{s} = 0', '{s} = 1', '{s} = {xs} [ 0 ]', '{s} = {xs} [ -1 ]', '{s} = {a}'])
         pool = ['{e}', '{s}'] + scal
         body = rng.choice([f'if {cond(["{e}"])} : {{s}} = {expr(pool)}', f'{{s}} = {expr(pool)}',
-                           f'if {cond(["{e}"])} : {{s}} += 1', '{s} += {e}', '{s} -= {e}'])
-        nested = body.startswith('if') and rng.random() < 0.5  # the if on a line of its own
+                           f'if {cond(["{e}"])} : {{s}} += 1', '{s} += {e}', '{s} -= {e}',
+                           f'if {compare(["{e}"])} : {{s}} = {{e}}'])
+        nested = body.startswith('if')  # `for ... : if ... :` on one line is a syntax error
         loop = f'for {{e}} in {{xs}} :\n    {body}' if nested else f'for {{e}} in {{xs}} : {body}'
         lines = [init, loop, f'return {expr(["{s}"] + atoms[:1])}']
     else:  # comp
@@ -379,25 +383,49 @@ def _heldout_forms():
     return frozenset(renamed_forms(t.code.format(**CANONICAL_NAMES) for t in TEMPLATES if t.name in HELDOUT))
 
 
+GEN_DRAWS = (10_000, 60)  # grammar draws per call: at least the first, and the second per function asked for
+
+
+def _edit_list_pool(rng, n, avoid):
+    """Draw max(GEN_DRAWS[0], GEN_DRAWS[1] * n) functions from the grammar; keep those with exactly 3
+    edits that undo themselves, at most 40 words in every edited form, and no form in `avoid` or in an
+    earlier draw, up to renaming -> {edit list (tuple): [(code, source, ops, cases)] in draw order}."""
+    pool = {}
+    for _ in range(max(GEN_DRAWS[0], GEN_DRAWS[1] * n)):
+        code, lst, n_scal = _gen_code(rng)
+        src = code.format(**CANONICAL_NAMES)
+        ops = involutive_ops(src)
+        if len(ops) != 3:
+            continue
+        forms = reachable_sources(src)
+        renamed = {_renamed(x) for x in forms}
+        if all(len(read_observation(x).split()) <= 40 for x in forms) and not renamed & avoid:
+            avoid |= renamed
+            pool.setdefault(tuple(ops), []).append((code, src, ops, _gen_args(rng, lst, n_scal, 6)))
+    return pool
+
+
 def generated_templates(n, seed=0, prefix='gen', exclude=frozenset()):
     """n random functions (Template, names gen0, gen1, ... or prefix0, ...), deterministic in seed: one
     seed, one stream (training draws seed 0, the validation split its own, see bugfix.make_tasks). Each
     one runs without error on its 6 cases, has 3 edits that undo themselves (as most held-out functions
     do; the templates already have many 2-edit ones), at least one of which breaks a public case,
     reads in at most 40 words in every edited form (as the templates do), and is none of the held-out
-    functions' forms, nor of `exclude` (renamed_forms), up to renaming. Candidates run in batches, one
-    sandbox process per batch."""
-    rng, out, avoid = random.Random(f'bugfix-gen:{seed}'), [], _heldout_forms() | set(exclude)
-    while len(out) < n:
-        batch = []
-        for _ in range(2 * n):
-            code, lst, n_scal = _gen_code(rng)
-            src = code.format(**CANONICAL_NAMES)
-            ops = involutive_ops(src)
-            forms = reachable_sources(src) if len(ops) == 3 else ()
-            if (forms and all(len(read_observation(x).split()) <= 40 for x in forms)
-                    and not {_renamed(x) for x in forms} & avoid):
-                batch.append((code, src, ops, _gen_args(rng, lst, n_scal, 6)))
+    functions' forms, nor of `exclude`, nor another's (renamed_forms), up to renaming.
+
+    Balanced over edit lists: the grammar makes some lists (`flip_compare fix_strict fix_logic`) 25
+    times as often as others (`flip_compare fix_strict fix_init`), and a policy trained on the raw draws
+    learnt which third edit follows the first two as a prior over the lists it had seen, so it failed
+    on a held-out function whose list training never showed. Functions are therefore taken in turn
+    from each list (sorted), gen0 from the first list, gen1 from the second, ...: every list the grammar
+    can make is about equally common. Candidates run in batches, one sandbox process per batch."""
+    rng = random.Random(f'bugfix-gen:{seed}')
+    pool = _edit_list_pool(rng, n, set(_heldout_forms()) | set(exclude))
+    lists = sorted(pool)
+    order = [pool[k][j] for j in range(max(map(len, pool.values()))) for k in lists if j < len(pool[k])]
+    out = []
+    while len(out) < n and order:
+        batch, order = order[:2 * (n - len(out))], order[2 * (n - len(out)):]
         _run_and_cache([(x, 'f', cases) for _, src, ops, cases in batch for x in [src] + [apply_op(src, op) for op in ops]])
         for code, src, ops, cases in batch:
             want = run_cases(src, cases)
@@ -406,6 +434,8 @@ def generated_templates(n, seed=0, prefix='gen', exclude=frozenset()):
             broken = [op for op in ops if run_cases(apply_op(src, op), cases[:2]) != want[:2]]
             if broken:
                 out.append(Template(f'{prefix}{len(out)}', code, broken[0], tuple(cases[:2]), tuple(cases[2:])))
+    if len(out) < n:
+        raise ValueError(f'the grammar gave {len(out)} valid functions of {n} asked for (raise GEN_DRAWS)')
     return out
 
 

@@ -79,6 +79,19 @@ def test_generated_functions_are_valid_and_never_heldout():
     assert code._renamed(clamp.source) in held and code._renamed(clamp.fixed) in held
 
 
+def test_generated_functions_are_balanced_over_edit_lists():
+    # the raw grammar makes `flip_compare fix_strict fix_logic` many times as often as `... fix_init`;
+    # taken in turn from each list, no list is much more common than another
+    rng = random.Random(0)
+    pool = code._edit_list_pool(rng, 0, set(code._heldout_forms()))
+    sizes = sorted(map(len, pool.values()))
+    assert len(pool) >= 10 and sizes[-1] >= 10 * sizes[0]
+    lists = [tuple(code.involutive_ops(t.code.format(**code.CANONICAL_NAMES))) for t in GENERATED]
+    assert all(k in pool for k in lists) and len(set(lists)) >= 10
+    assert max(lists.count(k) for k in set(lists)) <= 5  # 30 functions: a raw draw gives one list about 12
+    assert ('flip_compare', 'fix_strict', 'fix_init') in lists  # floor_max's list, which training once never showed
+
+
 def test_generated_functions_join_training_only():
     train = bugfix.make_tasks('train', n_variants=2, n_generated=30)
     gen = [t for t in train if t.template.startswith('gen')]
