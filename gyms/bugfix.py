@@ -504,7 +504,7 @@ def setup(cfg, vocab=None):
     eval_val_*): the validation split, make_tasks('val') of VAL_FUNCTIONS functions none of these
     training tasks has (the first eval_tasks of them too). Its texts do not join the vocabulary, so
     that adding the split changes no id and no number of a run: a task with a word outside it is
-    dropped (none of config/tiny.yaml's 32 is; 1 with train_generated 0)."""
+    dropped (none of config/tiny.yaml's 32 is, nor with train_generated 0)."""
     train_tasks = make_tasks('train', n_variants=cfg['train_variants'], n_generated=cfg['train_generated'])
     eval_tasks = make_tasks('heldout')
     tok = build_tokenizer(bugfix_texts(train_tasks + eval_tasks), vocab)
