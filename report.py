@@ -245,7 +245,8 @@ def run_summary(out_dir, cfg, wall_s):
     if base:
         lines.append('  baselines    ' + ', '.join(f'{k} {v:.3f}' for k, v in sorted(base.items())))
     ckpts = sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')))
-    for name, path in [('checkpoint', ckpts[-1] if ckpts else os.path.join(out_dir, 'ckpt_*.pt')),
+    last = os.path.join(out_dir, f'ckpt_{steps:06d}.pt')  # this run's last save, not a stray newer-named file
+    for name, path in [('checkpoint', last if last in ckpts else ckpts[-1] if ckpts else os.path.join(out_dir, 'ckpt_*.pt')),
                        ('metrics', metrics), ('curves', os.path.join(out_dir, CURVES))]:
         lines.append(f"  {name:<12} {path}" + ('' if os.path.exists(path) else '  (missing)'))
     lines.append(f"  episodes     python sample.py --out_dir={out_dir} --html={os.path.join(out_dir, EPISODES)}")

@@ -25,6 +25,7 @@ Simplifications, on purpose:
 3. Evaluation runs one rollout batch at a time, no sharding over processes.
 """
 
+import glob
 import html
 import json
 import os
@@ -251,6 +252,8 @@ def load_run(rest, untrained=False):
     train.py would build it before training. A CUDA config falls back to the CPU without a GPU."""
     cfg = load_config(rest)
     state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'])
+    if state is None and not untrained and glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')):
+        fail(f"no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); move them away or add --untrained")
     if state is None and not untrained and any(a.startswith('--out_dir=') for a in rest):
         # a run directory named on the command line must hold a run: a typo must not quietly give
         # numbers of an untrained policy

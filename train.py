@@ -33,7 +33,7 @@ import torch
 import report
 from advantage import grpo_advantage, memory_advantage, token_advantages
 from config import all_reduce, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
-from gym import load_gym
+from gym import gym_module, load_gym
 from model import (autocast, count_params, fold_lora, load_policy, lora_layers, merged, micro_batches, reference_log_probs,
                    sequence_log_probs)
 from rollout import check_prompts_fit, collate, episode_rows, memory_rewards, run_tasks
@@ -378,7 +378,11 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         model.load_state_dict(state['model'])
         opt.load_state_dict(state['optimizer'])
     except (RuntimeError, ValueError, KeyError) as e:
-        fail(f'{path} does not fit this config (was the model changed?): {str(e).splitlines()[0]}')
+        was = state.get('config', {})
+        changed = [f'{k} {was[k]!r} there, {cfg[k]!r} here' for k in ('model', 'n_layer', 'n_head', 'n_embd', 'max_len',
+                                                                     'lora_rank', 'gym') if k in was and was[k] != cfg[k]]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        fail(f'{path} does not fit this config: {"; ".join(changed) or lines[min(1, len(lines) - 1)]}')
     ref_model = reference_of(model) if cfg['kl_coef'] else None
     if ref_model is not None and ref_model is not model:
         ref_model.load_state_dict(state['ref_model'])
@@ -411,6 +415,7 @@ def init_run(cfg):
     (gym_, model, rng, gen, (state, path)); every bad input exits 2 with one line."""
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
+    gym_module(cfg, config)  # an unknown gym or a key it ignores: one line, before anything is printed or made
     if rank() == 0:
         print(json.dumps(cfg))
     if cfg['threads']:

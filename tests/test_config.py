@@ -54,6 +54,12 @@ def test_config_errors_exit_2_with_one_line(args, needle):
     assert len(lines) == 1 and needle in lines[0], p.stderr
 
 
+def test_gym_errors_print_and_make_nothing_first(tmp_path):
+    for args in (['--gym=bugfx'], ['--gym=memory', '--train_variants=3']):
+        p = run_train(*args, f'--out_dir={tmp_path / "run"}')
+        assert p.returncode == 2 and p.stdout == '' and not (tmp_path / 'run').exists(), p.stdout[:200]
+
+
 def test_bad_yaml_file_exit_2(tmp_path):
     bad = tmp_path / 'bad.yaml'
     bad.write_text('steps: [1, 2\n')
@@ -76,6 +82,11 @@ def test_config_order_defaults_file_cli(tmp_path):
     assert cfg['steps'] == 9 and cfg['lr'] == 1.0 and isinstance(cfg['lr'], float)
     assert cfg['keep_tool_results'] == 1 and cfg['batch_size'] == config['batch_size']
     assert load_config(['--keep_tool_results=all'])['keep_tool_results'] == 'all'
+    # a flag before the file still overrides it; files keep their order among themselves
+    g = tmp_path / 'd.yaml'
+    g.write_text('steps: 8\n')
+    assert load_config(['--steps=9', str(f)])['steps'] == 9 and load_config([str(g), str(f)])['steps'] == 7
+    assert load_config(['--steps=9', str(f), '--steps=10'])['steps'] == 10
 
 
 @pytest.mark.parametrize('content, needle', [

@@ -69,7 +69,10 @@ def test_example_gym_trains_from_its_config(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
     assert [r['step'] for r in rows[:2]] == [0, 1] and rows[-1]['step'] == 30
     assert rows[0]['eval_success_rate'] >= 0.55 and rows[-1]['eval_success_rate'] >= 0.55, (rows[0], rows[-1])
-    assert all(r['logp_gap_max'] <= 1e-5 and r['bad_steps'] == 0 for r in rows[1:])
+    # float32 rounding of the sampler's incremental passes against the trainer's full pass: <= 1e-5 on the
+    # AMD EPYC these numbers were first measured on, 1.03e-5 at one step of 30 on an Intel Xeon; a mask or
+    # position error shows as 1e-2 or more
+    assert all(r['logp_gap_max'] <= 2e-5 and r['bad_steps'] == 0 for r in rows[1:])
 
 
 def test_gspo_is_a_small_change_of_policy_loss(monkeypatch):

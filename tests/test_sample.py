@@ -245,6 +245,9 @@ def test_run_summary_mentions_paths_and_best_score(tmp_path):
     assert f"{tmp_path / report.CURVES}" in s and f"--html={tmp_path / report.EPISODES}" in s
     assert 'steps        10 / 10' in s and '2m 5s' in s and '0.02M processed' in s
     assert 'eval_success_rate    0.400 at step 5' in s and 'eval_greedy_success  0.600 at step 10' in s
+    (tmp_path / 'ckpt_000099.pt').write_bytes(b'garbage')  # a stray file named after a later step
+    s = report.run_summary(str(tmp_path), dict(train.config, steps=10), 125.0)
+    assert f"{tmp_path / 'ckpt_000010.pt'}" in s and 'ckpt_000099' not in s
 
 
 def test_log_external_is_a_no_op_unless_asked(tmp_path):
@@ -276,3 +279,12 @@ def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
         sample.main([f'--metrics_rollout={ckpt}'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and 'is not a rollout dump' in err and "KeyError: 'trajs'" in err and err.count('\n') == 1
+
+
+def test_only_corrupt_checkpoints_say_so(tmp_path, capsys):
+    (tmp_path / 'ckpt_000002.pt').write_bytes(b'not a checkpoint')
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f'no checkpoint in {tmp_path} loads (all corrupt' in err
+    assert (tmp_path / 'ckpt_000002.pt').read_bytes() == b'not a checkpoint'

@@ -76,6 +76,11 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
     assert sorted(tmp_path.glob('ckpt_*.pt')) == ckpts and all(c.read_bytes() == b'not a checkpoint' for c in ckpts)
 
 
+def test_resume_with_another_model_size_names_the_key(tmp_path):
+    train(tmp_path, '--steps=1')
+    p = train(tmp_path, '--steps=2', '--resume=True', '--n_embd=64', check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
+
 
 def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     train(tmp_path, '--steps=4', '--save_every=1', '--keep_checkpoints=3')
