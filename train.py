@@ -364,7 +364,7 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         except ValueError as e:  # a scripted text the gym's tokenizer cannot encode (a word outside the vocabulary)
             fail(f'warm start: {e}')
         if sft_loss is not None and rank() == 0:
-            print(f'warm start: {cfg["warmstart_steps"]} steps, loss {sft_loss:.3f} (mean of the last 10), {time.time() - t0:.0f}s')
+            print(f'warm start: {cfg["warmstart_steps"]} steps, loss {sft_loss:.3f} (mean of the last {min(10, cfg["warmstart_steps"])}), {time.time() - t0:.0f}s')
         fold_lora(model)  # LoRA: the warm start's update goes into the base weights, the reference's
         ref_model = reference_of(model) if cfg['kl_coef'] else None
         log0 = dict(step=0, **evaluate(model, gym_, cfg, 0))
