@@ -354,9 +354,11 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
              f"{'present' if os.path.exists(metrics_path) else 'absent'}): --resume=True continues it, "
              f"--overwrite=True replaces it, or choose another out_dir")
     if state is None:
-        if old and rank() == 0:
-            print(f"overwrite: removing {len(old)} checkpoint(s) of an earlier run in {cfg['out_dir']}")
-            for p in old:
+        dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], 'rollout_*.pt'))) if cfg['overwrite'] else []  # dump_rollouts'
+        if (old or dumps) and rank() == 0:
+            print(f"overwrite: removing {len(old)} checkpoint(s) and {len(dumps)} rollout dump(s) of an earlier run "
+                  f"in {cfg['out_dir']}")
+            for p in old + dumps:
                 os.remove(p)
         t0 = time.time()
         try:

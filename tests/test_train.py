@@ -169,8 +169,11 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(tmp_path):
     assert p.returncode == 2 and p.stderr.count('\n') == 1
     assert 'holds an earlier run (1 checkpoint(s), metrics.jsonl present): --resume=True continues it, --overwrite=True' in p.stderr
     assert {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')} == ckpts
+    (tmp_path / 'rollout_000001.pt').write_bytes(b'a dump of the earlier run')
+    (tmp_path / 'notes.txt').write_text('mine')
     p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
-    assert 'overwrite: removing 1 checkpoint(s)' in p.stdout
+    assert 'overwrite: removing 1 checkpoint(s) and 1 rollout dump(s)' in p.stdout
+    assert not (tmp_path / 'rollout_000001.pt').exists() and (tmp_path / 'notes.txt').read_text() == 'mine'
     state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
     assert state['vocab'][:3] == ['<pad>', '<bos>', '<unk>'] and len(state['vocab']) > 100
     (tmp_path / 'other').mkdir()  # a run killed before its first checkpoint left only its metrics
