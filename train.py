@@ -336,6 +336,21 @@ def reference_of(model):
     return model if lora_layers(model) else copy.deepcopy(model).eval()
 
 
+def check_out_dir(cfg, state):
+    """Stop (exit 2, one line) before a fresh run would replace an earlier run in out_dir without
+    overwrite=True, or when --resume finds only checkpoints that do not load. state: the loaded
+    checkpoint or None. Runs before the gym's set-up, so a refusal costs no time."""
+    old = glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt'))
+    metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
+    if cfg['resume'] and state is None and old:  # never delete what could not be read
+        fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
+             f"move them away or run without --resume")
+    if state is None and (old or metrics) and not cfg['overwrite']:
+        fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), metrics.jsonl "
+             f"{'present' if metrics else 'absent'}): --resume=True continues it, "
+             f"--overwrite=True replaces it, or choose another out_dir")
+
+
 def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
     """A fresh run (warm start, reference copy, step-0 evaluation) or the newest checkpoint's state
     (weights, optimizer, reference, RNG streams, metrics truncated to its step). A fresh run never
@@ -344,15 +359,8 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     old = sorted(glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')))
     state, path = ckpt
-    if cfg['resume'] and state is None and old:  # never delete what could not be read
-        fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
-             f"move them away or run without --resume")
     if cfg['resume'] and state is None and rank() == 0:
         print(f"--resume=True: no checkpoint in {cfg['out_dir']}, starting from scratch")
-    if state is None and (old or os.path.exists(metrics_path)) and not cfg['overwrite']:
-        fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), metrics.jsonl "
-             f"{'present' if os.path.exists(metrics_path) else 'absent'}): --resume=True continues it, "
-             f"--overwrite=True replaces it, or choose another out_dir")
     if state is None:
         dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], 'rollout_*.pt'))) if cfg['overwrite'] else []  # dump_rollouts'
         if (old or dumps) and rank() == 0:
@@ -432,6 +440,7 @@ def init_run(cfg):
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] + rank())  # sampling differs per rank
     t0 = time.time()
     ckpt = report.load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
+    check_out_dir(cfg, ckpt[0])
     gym_ = load_gym(cfg, ckpt[0].get('vocab') if ckpt[0] else None, config)  # bad data or config: exit 2
     try:
         check_prompts_fit(gym_, cfg)
