@@ -426,6 +426,8 @@ def init_run(cfg):
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     gym_module(cfg, config)  # an unknown gym or a key it ignores: one line, before anything is printed or made
+    ckpt = report.load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
+    check_out_dir(cfg, ckpt[0])  # an earlier run in out_dir: likewise
     if rank() == 0:
         print(json.dumps(cfg))
     if cfg['threads']:
@@ -439,8 +441,6 @@ def init_run(cfg):
     rng = random.Random(cfg['seed'])  # the same on every rank: all ranks draw the same tasks
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] + rank())  # sampling differs per rank
     t0 = time.time()
-    ckpt = report.load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
-    check_out_dir(cfg, ckpt[0])
     gym_ = load_gym(cfg, ckpt[0].get('vocab') if ckpt[0] else None, config)  # bad data or config: exit 2
     try:
         check_prompts_fit(gym_, cfg)

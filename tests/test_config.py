@@ -54,10 +54,14 @@ def test_config_errors_exit_2_with_one_line(args, needle):
     assert len(lines) == 1 and needle in lines[0], p.stderr
 
 
-def test_gym_errors_print_and_make_nothing_first(tmp_path):
+def test_refusals_print_and_make_nothing_first(tmp_path):
     for args in (['--gym=bugfx'], ['--gym=memory', '--train_variants=3']):
         p = run_train(*args, f'--out_dir={tmp_path / "run"}')
         assert p.returncode == 2 and p.stdout == '' and not (tmp_path / 'run').exists(), p.stdout[:200]
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'metrics.jsonl').write_text('{"step": 0}\n')  # an earlier run: refused before the set-up
+    p = run_train(f'--out_dir={tmp_path / "run"}')
+    assert p.returncode == 2 and p.stdout == '' and 'holds an earlier run' in p.stderr
 
 
 def test_bad_yaml_file_exit_2(tmp_path):
