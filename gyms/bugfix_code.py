@@ -383,15 +383,15 @@ def _heldout_forms():
     return frozenset(renamed_forms(t.code.format(**CANONICAL_NAMES) for t in TEMPLATES if t.name in HELDOUT))
 
 
-GEN_DRAWS = (10_000, 60)  # grammar draws per call: at least the first, and the second per function asked for
+GEN_DRAWS_MIN, GEN_DRAWS_PER_FUNCTION = 10_000, 60  # grammar draws per call to _edit_list_pool
 
 
 def _edit_list_pool(rng, n, avoid):
-    """Draw max(GEN_DRAWS[0], GEN_DRAWS[1] * n) functions from the grammar; keep those with exactly 3
+    """Draw max(GEN_DRAWS_MIN, GEN_DRAWS_PER_FUNCTION * n) functions from the grammar; keep those with exactly 3
     edits that undo themselves, at most 40 words in every edited form, and no form in `avoid` or in an
     earlier draw, up to renaming -> {edit list (tuple): [(code, source, ops, cases)] in draw order}."""
     pool = {}
-    for _ in range(max(GEN_DRAWS[0], GEN_DRAWS[1] * n)):
+    for _ in range(max(GEN_DRAWS_MIN, GEN_DRAWS_PER_FUNCTION * n)):
         code, lst, n_scal = _gen_code(rng)
         src = code.format(**CANONICAL_NAMES)
         ops = involutive_ops(src)
@@ -419,6 +419,8 @@ def generated_templates(n, seed=0, prefix='gen', exclude=frozenset()):
     on a held-out function whose list training never showed. Functions are therefore taken in turn
     from each list (sorted), gen0 from the first list, gen1 from the second, ...: every list the grammar
     can make is about equally common. Candidates run in batches, one sandbox process per batch."""
+    if n == 0:  # train_generated 0, the default: no draws at all
+        return []
     rng = random.Random(f'bugfix-gen:{seed}')
     pool = _edit_list_pool(rng, n, set(_heldout_forms()) | set(exclude))
     lists = sorted(pool)
@@ -435,7 +437,7 @@ def generated_templates(n, seed=0, prefix='gen', exclude=frozenset()):
             if broken:
                 out.append(Template(f'{prefix}{len(out)}', code, broken[0], tuple(cases[:2]), tuple(cases[2:])))
     if len(out) < n:
-        raise ValueError(f'the grammar gave {len(out)} valid functions of {n} asked for (raise GEN_DRAWS)')
+        raise ValueError(f'the grammar gave {len(out)} valid functions of {n} asked for (raise GEN_DRAWS_PER_FUNCTION)')
     return out
 
 
