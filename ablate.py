@@ -256,7 +256,7 @@ def main(argv):
     opts, passthrough = parse_args(argv)
     extra = (QUICK if opts['quick'] else []) + passthrough
     variants = MAIN_VARIANTS if opts['main'] else VARIANTS
-    runs = [(variant, seed) for variant in variants for seed in opts['seeds']]
+    runs = [(variant, seed) for seed in opts['seeds'] for variant in variants]  # seed by seed: a stopped ablation leaves whole seeds
     todo = []
     for variant, seed in runs:
         d = run_dir(opts['out'], variant, seed)
@@ -266,8 +266,8 @@ def main(argv):
             todo.append((variant, seed, cmd, d))
     if opts['dry_run']:
         return None
-    # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting), in VARIANTS
-    # order: the MemPO runs, the longest (two extra forward passes per turn for the memory reward), first
+    # --jobs=N runs N train.py processes at once (each keeps its own `threads` setting), seed by seed and
+    # within a seed in VARIANTS order: the MemPO run, the longest (it scores the memory rewards), first
     with ThreadPoolExecutor(max_workers=opts['jobs']) as pool:
         codes = list(pool.map(run_job, todo))
     for (variant, seed, _, _), code in zip(todo, codes):

@@ -103,7 +103,7 @@ def test_dry_run_prints_one_command_per_variant_and_seed(tmp_path, capsys):
     assert sum('--keep_tool_results=all' in c for c in cmds) == 2 and sum('--mem_coef=0' in c for c in cmds) == 4
 
 
-def test_jobs_runs_every_unfinished_run_once_in_variant_order(tmp_path, monkeypatch, capsys):
+def test_jobs_runs_every_unfinished_run_once_seed_by_seed(tmp_path, monkeypatch, capsys):
     _write_run(tmp_path, 'grpo_fold', 1, 0.75, 62.0)  # finished: not started again
     started = []
 
@@ -118,7 +118,7 @@ def test_jobs_runs_every_unfinished_run_once_in_variant_order(tmp_path, monkeypa
     agg = ablate.main([f'--out={tmp_path}', '--seeds=1,2', '--jobs=1'])
     names = [d.rsplit('/', 1)[1] for d in started]
     assert sorted(names) == ['grpo_fold_s2', 'grpo_full_s1', 'grpo_full_s2', 'mempo_s1', 'mempo_s2']
-    assert names == ['mempo_s1', 'mempo_s2', 'grpo_fold_s2', 'grpo_full_s1', 'grpo_full_s2']  # MemPO, the longest, first
+    assert names == ['mempo_s1', 'grpo_full_s1', 'mempo_s2', 'grpo_fold_s2', 'grpo_full_s2']  # whole seeds; MemPO first
     out = capsys.readouterr().out  # one line as each run starts and one as it ends
     assert out.count('started  ') == 5 and out.count('finished ') == 5 and 'finished mempo seed 1 in ' in out
     assert agg['grpo_fold']['em_k2'] == (0.625, 0.125) and agg['grpo_fold']['seeds'] == 2
