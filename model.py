@@ -140,14 +140,16 @@ def trunk(model, ids, attention_mask=None):
     return model.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
 
 
-def forward_cached(model, ids, attention_mask, position_ids, cache=None):
-    """One cached forward of a TinyAgent or a Hugging Face causal LM, projecting only the last position.
-    Returns (logits [B, V], new cache). Transformers 5 renamed past_key_values to cache."""
+def forward_cached(model, ids, attention_mask, position_ids, cache=None, every_position=False):
+    """One cached forward of a TinyAgent or a Hugging Face causal LM: ids [B, T] after the cache's S
+    positions, attention_mask [B, S+T], position_ids [B, T]. Returns (logits, new cache): logits [B, V]
+    of the last position only, or [B, T, V] with every_position. Transformers 5 renamed
+    past_key_values to cache."""
     name = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
-    out = model(ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                **{name: cache})
+    out = model(ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=0 if every_position else 1, **{name: cache})
     new = out.get('cache') if isinstance(out, dict) and out.get('cache') is not None else out.past_key_values
-    return out.logits[:, -1], new
+    return (out.logits if every_position else out.logits[:, -1]), new
 
 
 def select_cache(cache, keep):
@@ -410,17 +412,20 @@ def merged(model):
     return model
 
 
-def micro_batches(lengths, budget):
-    """Split row indices into micro-batches of at most `budget` padded tokens, sorted by length so
-    rows of similar length share a batch (less padding). Returns a list of index lists."""
+def micro_batches(lengths, budget, rows=None):
+    """Split indices into micro-batches of at most `budget` padded tokens, sorted by length so items of
+    similar length share a batch (less padding). Item i takes rows[i] rows of lengths[i] tokens
+    (default 1; memory_rewards runs each history once and then one row per scored turn on top of it).
+    Returns a list of index lists."""
+    rows = rows or [1] * len(lengths)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    out, cur, longest = [], [], 0
+    out, cur, longest, n_rows = [], [], 0, 0
     for i in order:
-        if cur and max(longest, lengths[i]) * (len(cur) + 1) > budget:
+        if cur and max(longest, lengths[i]) * (n_rows + rows[i]) > budget:
             out.append(cur)
-            cur, longest = [], 0
+            cur, longest, n_rows = [], 0, 0
         cur.append(i)
-        longest = max(longest, lengths[i])
+        longest, n_rows = max(longest, lengths[i]), n_rows + rows[i]
     return out + [cur] if cur else out
 
 

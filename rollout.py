@@ -28,10 +28,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from gym import OWNER, STOPS
-from model import (autocast, cache_layers, forward_cached, make_cache, position_ids_from_mask, sample_next, select_cache,
-                   sequence_log_probs)
+from model import (autocast, cache_layers, forward_cached, make_cache, micro_batches, position_ids_from_mask, sample_next,
+                   select_cache, sequence_log_probs)
 
 # -----------------------------------------------------------------------------
 # episodes and trajectories
@@ -469,46 +470,102 @@ def memory_rewards(model, trajs, fmt, answers, cfg):
       P_mem_t:  context = the prompt, then turn t's <mem> span.
     Both end with the same memory span, so the answer sits where the policy would write it, and the
     difference is what the dropped history still knew that the memory did not carry. No gradient.
+    Every P_full context is a prefix of its episode's history (turn t's <mem> follows its forced
+    prefix there), so each history is run once and the answers of all its turns are scored on its
+    KV cache (full_answer_probs); the P_mem contexts are short and run as plain rows (answer_probs).
     answers: the gold answer text per trajectory. Returns (mem_rewards [N, K], turn_valid [N, K]);
     turns without a closed memory span or whose full context exceeds max_len are not valid."""
     K = max(len(t.turns) for t in trajs)
     mem_r = torch.zeros(len(trajs), K)
     valid = torch.zeros(len(trajs), K, dtype=torch.bool)
-    seqs, where = [], []
+    hists, full, short, where = [t.ids.tolist() for t in trajs], [], [], []
     for n, t in enumerate(trajs):
         ans_ids, ans_mask = answer_pieces(fmt, answers[n])
-        hist = t.ids.tolist()
         turn = t.turn.tolist()
         for k in range(1, len(t.turns)):
-            tr = t.turns[k]
-            if tr['mem_len'] == 0:
+            mem_len = t.turns[k]['mem_len']
+            if mem_len == 0:
                 continue
-            mem = fmt.turn_prefix + tr['response'][:tr['mem_len']]
-            before = hist[:turn.index(k)]  # everything before turn k's forced prefix
-            full = before + mem
-            if len(full) + len(ans_ids) > cfg['max_len']:
+            start = turn.index(k)  # turn k's forced prefix, then its response
+            end = start + len(fmt.turn_prefix) + mem_len  # the history through turn k's </mem>
+            if end + len(ans_ids) > cfg['max_len']:
                 continue
-            seqs += [(full, ans_ids, ans_mask), (hist[:t.prompt_len] + mem, ans_ids, ans_mask)]
+            full.append((n, end, ans_ids, ans_mask))
+            short.append((hists[n][:t.prompt_len] + hists[n][start:end], ans_ids, ans_mask))
             where.append((n, k))
-    if not seqs:
-        return mem_r, valid
-    probs = []
-    dev = cfg['device']
-    for s in range(0, len(seqs), 64):
-        chunk = seqs[s:s + 64]
-        L = max(len(c) + len(a) for c, a, _ in chunk)
-        ids = torch.full((len(chunk), L), fmt.pad_id, dtype=torch.long)
-        attn = torch.zeros(len(chunk), L, dtype=torch.long)
-        score = torch.zeros(len(chunk), L - 1)
-        for i, (c, a, am) in enumerate(chunk):
-            ids[i, :len(c) + len(a)] = torch.tensor(c + a)
-            attn[i, :len(c) + len(a)] = 1
-            score[i, len(c) - 1:len(c) - 1 + len(a)] = torch.tensor(am, dtype=torch.float32)  # column j scores token j+1
-        with autocast(cfg):
-            logp = sequence_log_probs(model, ids.to(dev), attn.to(dev), positions=(score > 0).to(dev)).float().cpu()  # [b, L-1]: answer tokens only
-        probs.append(torch.exp((logp * score).sum(1) / score.sum(1).clamp(min=1)))
-    probs = torch.cat(probs).view(-1, 2)  # [pairs, (full, mem)]
-    for (n, k), (p_full, p_mem) in zip(where, probs.tolist()):
-        mem_r[n, k] = p_mem - p_full
-        valid[n, k] = True
+    if where:
+        p_full, p_mem = full_answer_probs(model, hists, full, fmt, cfg), answer_probs(model, short, fmt, cfg)
+        for (n, k), pf, pm in zip(where, p_full.tolist(), p_mem.tolist()):
+            mem_r[n, k] = pm - pf
+            valid[n, k] = True
     return mem_r, valid
+
+
+def _mean_answer_prob(logp, score):
+    """exp(mean log p) over the scored answer tokens: logp, score [b, S] -> [b]."""
+    return torch.exp((logp * score).sum(1) / score.sum(1).clamp(min=1))
+
+
+def answer_probs(model, seqs, fmt, cfg):
+    """P = exp(mean log p(answer tokens | context)) [len(seqs)] for seqs of (context ids, answer ids,
+    answer mask: 1 on the tokens scored), in micro-batches of max_tokens_per_microbatch padded tokens."""
+    lengths = [len(c) + len(a) for c, a, _ in seqs]
+    out = torch.zeros(len(seqs))
+    for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
+        L = max(lengths[i] for i in mb)
+        ids = torch.full((len(mb), L), fmt.pad_id, dtype=torch.long)
+        attn = torch.zeros(len(mb), L, dtype=torch.long)
+        score = torch.zeros(len(mb), L - 1)
+        for row, i in enumerate(mb):
+            c, a, am = seqs[i]
+            ids[row, :len(c) + len(a)] = torch.tensor(c + a)
+            attn[row, :len(c) + len(a)] = 1
+            score[row, len(c) - 1:len(c) - 1 + len(a)] = torch.tensor(am, dtype=torch.float32)  # column j scores token j+1
+        with autocast(cfg):
+            logp = sequence_log_probs(model, ids.to(cfg['device']), attn.to(cfg['device']),
+                                      positions=(score > 0).to(cfg['device'])).float().cpu()  # [b, L-1]: answer tokens only
+        out[mb] = _mean_answer_prob(logp, score)
+    return out
+
+
+def full_answer_probs(model, hists, items, fmt, cfg):
+    """P = exp(mean log p(answer tokens | hists[n][:end])) [len(items)] for items (n, end, answer ids,
+    answer mask), the answers after prefixes of a few long histories. A micro-batch of histories runs
+    once (right-padded, KV cache); then each item is one row on its history's cache that sees only
+    the first end - 1 positions and is fed hists[n][end - 1] and the answer at positions end - 1, end,
+    ...: the logits of an answer after hists[n][:end], as a forward of that whole row would give
+    them (up to float rounding), at the cost of one history forward instead of one per turn.
+    A micro-batch holds at most max_tokens_per_microbatch cached tokens over its item rows."""
+    dev, out = cfg['device'], torch.zeros(len(items))
+    per_hist = {}
+    for i, (n, end, _, _) in enumerate(items):
+        per_hist.setdefault(n, []).append(i)
+    hist_ids = list(per_hist)
+    lengths = [max(items[i][1] for i in per_hist[n]) for n in hist_ids]  # each history through its last scored </mem>
+    for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch'], rows=[len(per_hist[n]) for n in hist_ids]):
+        L = max(lengths[j] for j in mb)
+        ids = torch.full((len(mb), L), fmt.pad_id, dtype=torch.long)
+        attn = torch.zeros(len(mb), L, dtype=torch.long)
+        for row, j in enumerate(mb):
+            ids[row, :lengths[j]] = torch.tensor(hists[hist_ids[j]][:lengths[j]])
+            attn[row, :lengths[j]] = 1
+        rows = [(row, i) for row, j in enumerate(mb) for i in per_hist[hist_ids[j]]]
+        S = max(len(items[i][2]) for _, i in rows) + 1
+        seg = torch.full((len(rows), S), fmt.pad_id, dtype=torch.long)
+        seg_attn = torch.zeros(len(rows), L + S, dtype=torch.long)
+        pos = torch.zeros(len(rows), S, dtype=torch.long)
+        score = torch.zeros(len(rows), S)
+        for r, (row, i) in enumerate(rows):
+            n, end, a, am = items[i]
+            seg[r, :len(a) + 1] = torch.tensor(hists[n][end - 1:end] + a)
+            seg_attn[r, :end - 1] = 1  # the history before its last memory token, which the row feeds again
+            seg_attn[r, L:L + len(a) + 1] = 1
+            pos[r, :len(a) + 1] = torch.arange(end - 1, end + len(a))
+            score[r, :len(a)] = torch.tensor(am, dtype=torch.float32)  # position j scores segment token j+1
+        with autocast(cfg):
+            _, cache = forward_cached(model, ids.to(dev), attn.to(dev), position_ids_from_mask(attn).to(dev))
+            cache = select_cache(cache, torch.tensor([row for row, _ in rows], device=dev))
+            logits, _ = forward_cached(model, seg.to(dev), seg_attn.to(dev), pos.to(dev), cache, every_position=True)
+        logp = F.log_softmax(logits.float(), -1)[:, :-1].gather(-1, seg[:, 1:, None].to(dev)).squeeze(-1).cpu()  # [rows, S-1]
+        out[[i for _, i in rows]] = _mean_answer_prob(logp, score[:, :-1])
+    return out

@@ -122,11 +122,14 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     stats, mem_adv = {}, None
     if cfg['mem_coef']:
         answers = [gym_['answer_text'](t.task) for t in trajs]
+        t0 = time.time()
         mem_r, turn_valid = memory_rewards(model, trajs, gym_['fmt'], answers, cfg)
         mem_adv = memory_advantage(mem_r, turn_valid, batch['group_ids'], cfg['adv_eps'])
         n = turn_valid.sum().clamp(min=1)
-        stats = dict(mem_reward_mean=float((mem_r * turn_valid).sum() / n),
+        stats = dict(mem_reward_time_s=time.time() - t0,  # issue #16: what the memory rewards add to a step
+                     mem_reward_mean=float((mem_r * turn_valid).sum() / n),
                      mem_adv_abs_mean=float((mem_adv.abs() * turn_valid).sum() / n),
+                     outcome_adv_abs_mean=float(out[batch['valid']].abs().mean()) if batch['valid'].any() else 0.0,
                      **reward_quality_corr(mem_r, turn_valid, trajs))
     adv = token_advantages(out, batch['row_episode'], batch['action_mask'], mem_adv, batch['mem_mask'],
                            batch['turn_ids'], cfg['mem_coef'])

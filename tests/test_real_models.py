@@ -31,6 +31,7 @@ from gyms import quixbugs as gq, searchqa as gs
 from hf import chat_format
 from model import sequence_log_probs, tiny_qwen3
 from rollout import collate, rollout_batch
+from test_rollout import one_at_a_time_answer_probs
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -305,6 +306,29 @@ def test_folded_searchqa_context_is_prompt_last_mem_span_last_observation(tok):
 
 # -----------------------------------------------------------------------------
 # the PPO update and train.py end to end
+
+
+def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn_qwen3(tok, model, monkeypatch):
+    """issue #16 with the real Qwen3 template: P_full of every turn from one cached history forward per
+    episode, P_mem from padded rows, both as a plain forward of each context alone would give them."""
+    tasks = gs.make_tasks('train', 0, n_objectives=2)[:3]
+    envs = [gs.SearchQAEnv(tok, max_turns=6, max_obs_tokens=48, require_think=False) for _ in tasks]
+    cfg = dict(CFG, max_turns=6, max_response_tokens=96, keep_tool_results=1, max_tokens_per_microbatch=3000)
+    trajs = rollout_batch([gs.oracle_policy] * len(tasks), chat_format(tok, memory=True), envs, tasks, cfg)
+    answers = [gs.answer_text(t.task) for t in trajs]
+    got = {}
+    for name in ('answer_probs', 'full_answer_probs'):
+        def spy(*args, _f=getattr(rollout, name), _name=name, **kw):
+            got[_name] = out = _f(*args, **kw)
+            return out
+        monkeypatch.setattr(rollout, name, spy)
+    mem_r, valid = rollout.memory_rewards(model, trajs, chat_format(tok, memory=True), answers, cfg)
+    want = one_at_a_time_answer_probs(model, trajs, chat_format(tok, memory=True), answers, cfg)
+    assert len(want) >= 6 and [tuple(x) for x in valid.nonzero().tolist()] == sorted(want)
+    assert max(abs(float(mem_r[n, k]) - (pm - pf)) for (n, k), (pm, pf) in want.items()) <= 1e-6
+    for name, i in (('answer_probs', 0), ('full_answer_probs', 1)):
+        log_want = torch.log(torch.tensor([want[nk][i] for nk in sorted(want)], dtype=torch.float64))
+        assert torch.allclose(torch.log(got[name].double()), log_want, atol=1e-5, rtol=0), name
 
 
 def test_ppo_first_minibatch_ratio_is_one_and_the_update_moves_the_policy(tok, model):

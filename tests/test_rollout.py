@@ -7,9 +7,11 @@ import torch
 from gym import OWNER, build_tokenizer, word_format
 from gyms import memory as gm
 from model import TinyAgent, sequence_log_probs
+import rollout
 from rollout import answer_pieces, collate, context_of, generate, memory_rewards, rollout_batch
 
-CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1, temperature=1.0, device='cpu')
+CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1, temperature=1.0, device='cpu',
+           max_tokens_per_microbatch=16384)
 
 
 class CountEnv:
@@ -187,6 +189,57 @@ def test_memory_reward_scores_answer_tokens_only_in_the_two_contexts(mem_setup):
         cols = [len(ctx) - 1 + i for i, m in enumerate(amask) if m]
         return torch.exp(lp[cols].mean())
     assert torch.allclose(mem_r[0, k], p(short) - p(full), atol=1e-5)
+
+
+def one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg):
+    """{(n, k): (P_mem, P_full)} of every valid turn, each from a plain, unpadded, uncached forward."""
+    def p(ctx, ans, amask):
+        with torch.no_grad():
+            lp = sequence_log_probs(model, torch.tensor([ctx + ans]))[0]
+        return float(torch.exp(lp[[len(ctx) - 1 + i for i, m in enumerate(amask) if m]].mean()))
+    out = {}
+    for n, t in enumerate(trajs):
+        ans, amask = answer_pieces(fmt, answers[n])
+        for k in range(1, len(t.turns)):
+            if t.turns[k]['mem_len']:
+                mem = fmt.turn_prefix + t.turns[k]['response'][:t.turns[k]['mem_len']]
+                full = t.ids.tolist()[:t.turn.tolist().index(k)] + mem
+                if len(full) + len(ans) <= cfg['max_len']:
+                    out[n, k] = p(t.ids.tolist()[:t.prompt_len] + mem, ans, amask), p(full, ans, amask)
+    return out
+
+
+@pytest.mark.parametrize('budget', [16384, 300])  # 300: a history or two per micro-batch
+def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn(mem_setup, budget, monkeypatch):
+    # issue #16: one history forward per episode (KV cache) gives each turn's P_full as its own forward would
+    tok, _, fmt = mem_setup
+    torch.manual_seed(0)
+    model = TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
+    with torch.no_grad():  # larger weights: peaked attention, answer probabilities further apart
+        for w in model.parameters():
+            w.mul_(2.0)
+    tasks = gm.make_tasks('train', 6, seed=3, n_objectives=(1, 3), hops=(1, 3))
+    cfg = dict(CFG, max_tokens_per_microbatch=budget, max_turns=12)
+    trajs = sampled(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks, cfg)
+    trajs += rollout_batch([gm.folded_policy(gm.oracle_policy)] * 3, fmt, [gm.MemoryEnv() for _ in range(3)], tasks[:3], cfg)
+    answers = [gm.answer_text(t.task) for t in trajs]
+    got = {}
+    for name in ('answer_probs', 'full_answer_probs'):  # record what memory_rewards computed, in log space
+        def spy(*args, _f=getattr(rollout, name), _name=name, **kw):
+            got[_name] = out = _f(*args, **kw)
+            return out
+        monkeypatch.setattr(rollout, name, spy)
+    mem_r, valid = rollout.memory_rewards(model, trajs, fmt, answers, cfg)
+    want = one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg)
+    assert len(want) >= 12 and len({len(t.ids) for t in trajs}) > 5  # many turns, histories of many lengths
+    assert [tuple(x) for x in valid.nonzero().tolist()] == sorted(want)
+    assert max(abs(float(mem_r[n, k]) - (pm - pf)) for (n, k), (pm, pf) in want.items()) <= 1e-6
+    order = sorted(want, key=lambda nk: nk)  # memory_rewards lists turns episode by episode
+    log_mem = torch.log(torch.tensor([want[nk][0] for nk in order], dtype=torch.float64))
+    log_full = torch.log(torch.tensor([want[nk][1] for nk in order], dtype=torch.float64))
+    assert torch.allclose(torch.log(got['answer_probs'].double()), log_mem, atol=1e-5, rtol=0)
+    assert torch.allclose(torch.log(got['full_answer_probs'].double()), log_full, atol=1e-5, rtol=0)
+    assert float(log_full.max() - log_full.min()) > 1.0  # the values differ: a mix-up of rows would show
 
 
 class FinishEnv(CountEnv):
