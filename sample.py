@@ -248,15 +248,14 @@ def parse_args(argv, defaults=OPTIONS):
 def load_run(rest, untrained=False):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
     the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
-    with `rest` on top, or, with untrained=True or no checkpoint there, the policy cfg['model'] as
-    train.py would build it before training. A CUDA config falls back to the CPU without a GPU."""
+    with `rest` on top, or, with untrained=True, the policy cfg['model'] as train.py would build it
+    before training. Exits 2 when there is no checkpoint that loads and untrained is False. A CUDA
+    config falls back to the CPU without a GPU."""
     cfg = load_config(rest)
     state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'])
     if state is None and not untrained and glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')):
         fail(f"no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); move them away or add --untrained")
-    if state is None and not untrained and any(a.startswith('--out_dir=') for a in rest):
-        # a run directory named on the command line must hold a run: a typo must not quietly give
-        # numbers of an untrained policy
+    if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
         cfg = load_config(rest, dict(config, **state['config']))
@@ -274,7 +273,7 @@ def load_run(rest, untrained=False):
     if state is not None:
         model.load_state_dict(state['model'])
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
-        f"untrained {cfg['model']} ({'--untrained' if untrained else 'no checkpoint in ' + cfg['out_dir']})"
+        f"untrained {cfg['model']} (--untrained)"
     print(f'policy: {policy}')
     return cfg, gym_, model, policy
 

@@ -272,6 +272,15 @@ def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
     assert p.returncode == 2 and p.stderr.count('\n') == 1 and needle in p.stderr, p.stderr
 
 
+def test_a_config_whose_out_dir_holds_no_run_is_refused_too(tmp_path, capsys):
+    """Without --out_dir on the command line (the config's own out_dir), no run there still means no
+    quiet untrained policy: one line that says how to ask for one."""
+    (tmp_path / 'c.yaml').write_text(f"out_dir: {tmp_path / 'none'}\n")
+    with pytest.raises(SystemExit) as e:
+        sample.main([str(tmp_path / 'c.yaml')])
+    assert e.value.code == 2 and f"no checkpoint in {tmp_path / 'none'} (add --untrained" in capsys.readouterr().err
+
+
 def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
     ckpt = tmp_path / 'ckpt_000002.pt'
     torch.save(dict(model={}, step=2), ckpt)  # a checkpoint, not a rollout dump
