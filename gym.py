@@ -115,7 +115,8 @@ def load_gym(cfg, vocab=None, defaults=None):
     vocab: a checkpoint's tiny vocabulary (list of words) or None. defaults: the config defaults
     (config.config), for gym_module's key check. Every error exits with status 2 and one line: those
     of gym_module, bad data (OSError or ValueError from setup), a missing key in setup's dict, an
-    empty split, a checkpoint vocabulary without some word of the gym's texts."""
+    empty split, more eval_tasks asked for than the gym has, a checkpoint vocabulary without some
+    word of the gym's texts."""
     mod, name = gym_module(cfg, defaults), cfg['gym']
     try:
         gym_ = mod.setup(cfg, vocab)
@@ -127,6 +128,9 @@ def load_gym(cfg, vocab=None, defaults=None):
     for key, split in (('train_tasks', 'train'), ('eval_tasks', 'held-out')):
         if not gym_[key]:
             fail(f"gym {name!r} has an empty {split} split")
+    if cfg.get('eval_tasks', 0) > len(gym_['eval_tasks']):  # a silent cap would report fewer tasks than asked
+        fail(f"config key 'eval_tasks' asks for {cfg['eval_tasks']} held-out tasks; gym {name!r} has "
+             f"{len(gym_['eval_tasks'])} (0 = all of them)")
     missing = getattr(gym_['tok'], 'missing', None)
     if missing:
         fail(f"the checkpoint's vocabulary lacks {len(missing)} words of gym {name!r} (e.g. {missing[0]!r})")
