@@ -452,8 +452,9 @@ def init_run(cfg):
         fail(str(e).splitlines()[0])
     if rank() == 0:
         print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks "
-              f"({time.time() - t0:.0f}s); policy {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters; "
-              f"{world_size()} process(es)")
+              f"({time.time() - t0:.0f}s); policy {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters"
+              + (f" ({sum(p.numel() for p in model.parameters() if p.requires_grad):,} trained: LoRA rank "
+                 f"{cfg['lora_rank']})" if cfg['lora_rank'] else '') + f"; {world_size()} process(es)")
         if cfg['group_size'] == 1:
             print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
                   "and RL learns only from the memory advantage and the KL term", file=sys.stderr)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -424,8 +425,10 @@ def test_train_lora_end_to_end_kl_reference_and_merged_export(tok, tmp_path):
     and the export is a plain model (adapters folded in)."""
     pytest.importorskip('peft')
     out = tmp_path / 'run'
-    _, steps = run_train(out, 'config/tiny_qwen3_quixbugs.yaml', '--threads=1', '--lora_rank=4', '--kl_coef=0.1',
+    p, steps = run_train(out, 'config/tiny_qwen3_quixbugs.yaml', '--threads=1', '--lora_rank=4', '--kl_coef=0.1',
                          '--save_every=1')
+    trained = re.search(r'M parameters \(([\d,]+) trained: LoRA rank 4\)', p.stdout)  # what LoRA leaves trainable
+    assert trained and 0 < int(trained.group(1).replace(',', '')) < 100_000, p.stdout[:2000]
     assert all(m['ratio_dev_first_minibatch'] <= 1e-5 for m in steps) and abs(steps[0]['kl']) < 1e-3
     state = torch.load(out / 'ckpt_000002.pt', weights_only=False)
     assert state['ref_model'] is None and any('lora_' in k for k in state['model'])  # no second copy of the weights
