@@ -64,7 +64,7 @@ config = dict(
     warmstart_lr=3e-3,
     warmstart_batch_size=32,     # episodes per step, with all their rows (folding: one row per turn)
     # RL
-    steps=100,
+    steps=100,                   # RL steps; 0: the warm start and the step-0 evaluation only
     batch_size=8,                # tasks per step
     group_size=8,                # rollouts per task
     lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,
@@ -188,12 +188,12 @@ def load_config(argv, defaults=config):
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
     cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
-    for key in ('steps', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
+    for key in ('batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
                 'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples', 'warmstart_batch_size', 'keep_checkpoints',
                 'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
         if cfg[key] < 1:
             fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
-    for key in ('threads', 'eval_every', 'log_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
+    for key in ('steps', 'threads', 'eval_every', 'log_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
                 'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
                 'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):
         if cfg[key] < 0:

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 from tqdm import tqdm
@@ -187,7 +188,9 @@ def plot_metrics(metrics_path, png_path):
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(metrics_path)
-    fig.savefig(png_path, dpi=80)
+    with warnings.catch_warnings():  # a run of one evaluation (steps: 0) has single-point axes; matplotlib widens them
+        warnings.filterwarnings('ignore', 'Attempting to set identical')
+        fig.savefig(png_path, dpi=80)
     return png_path
 
 

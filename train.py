@@ -339,6 +339,19 @@ def reference_of(model):
     return model if lora_layers(model) else copy.deepcopy(model).eval()
 
 
+def save(cfg, step, model, opt, ref_model, gym_, rng, gen):
+    """Write out_dir/ckpt_<step>.pt: weights, optimizer, the KL reference (unless it is the policy
+    itself: none, or LoRA's base), every random stream (the sampling generators of all ranks), the
+    config and the tiny model's vocabulary; keeps the newest keep_checkpoints. Every rank calls it."""
+    gens = gather([gen.get_state()])
+    if rank() == 0:
+        report.save_checkpoint(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
+                                    rng=dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gens),
+                                    ref_model=ref_model.state_dict() if ref_model not in (None, model) else None,
+                                    vocab=getattr(gym_['tok'], 'itos', None)),  # the tiny model's words
+                               cfg['out_dir'], step, cfg['keep_checkpoints'])
+
+
 def check_out_dir(cfg, state):
     """Stop (exit 2, one line) before a fresh run would replace an earlier run in out_dir without
     overwrite=True, or when --resume finds only checkpoints that do not load. state: the loaded
@@ -355,7 +368,7 @@ def check_out_dir(cfg, state):
 
 
 def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
-    """A fresh run (warm start, reference copy, step-0 evaluation) or the newest checkpoint's state
+    """A fresh run (warm start, reference copy, step-0 evaluation, ckpt_000000) or the newest checkpoint's state
     (weights, optimizer, reference, RNG streams, metrics truncated to its step). A fresh run never
     deletes another run's checkpoints unless overwrite=True. ckpt: load_latest_checkpoint()'s (state,
     path), or (None, None). Returns (start step, ref_model or None)."""
@@ -386,6 +399,7 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
             with open(metrics_path, 'w') as f:
                 f.write(json.dumps(log0) + '\n')
             report.log_external(cfg, log0, 0)
+        save(cfg, 0, model, opt, ref_model, gym_, rng, gen)  # --resume skips the warm start (SmolLM2: half an hour)
         return 0, ref_model
     try:
         model.load_state_dict(state['model'])
@@ -502,13 +516,7 @@ def main(argv):
                   f'(max_bad_steps={cfg["max_bad_steps"]})', file=sys.stderr)
             sys.exit(1)
         if step == cfg['steps'] or (cfg['save_every'] and step % cfg['save_every'] == 0):
-            gens = gather([gen.get_state()])
-            if master:
-                report.save_checkpoint(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
-                                     rng=dict(python=rng.getstate(), torch=torch.get_rng_state(), gen=gens),
-                                     ref_model=ref_model.state_dict() if ref_model not in (None, model) else None,
-                                     vocab=getattr(gym_['tok'], 'itos', None)),  # the tiny model's words
-                                cfg['out_dir'], step, cfg['keep_checkpoints'])
+            save(cfg, step, model, opt, ref_model, gym_, rng, gen)
     if master:
         if cfg['model'] != 'tiny':  # a trained HF policy that transformers or vLLM can load and serve
             merged(model).save_pretrained(os.path.join(cfg['out_dir'], 'hf'), safe_serialization=True)  # LoRA folded in
@@ -524,6 +532,6 @@ if __name__ == '__main__':
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt:  # one line, not a traceback: what was saved is kept
-        print("\ninterrupted: what out_dir holds is kept (checkpoints every save_every RL steps, none during the "
-              "warm start); --resume=True continues from the newest checkpoint, or starts over without one", file=sys.stderr)
+        print("\ninterrupted: what out_dir holds is kept (a checkpoint after the warm start and every save_every RL "
+              "steps); --resume=True continues from the newest checkpoint, or starts over without one", file=sys.stderr)
         sys.exit(130)

@@ -66,6 +66,14 @@ def test_stop_and_resume_logs_the_same_metrics(reference, tmp_path):
     assert metrics(tmp_path) == reference
 
 
+def test_resume_after_the_warm_start_skips_it_and_logs_the_same_metrics(reference, tmp_path):
+    train(tmp_path, '--steps=0')  # the warm start and the step-0 evaluation, then ckpt_000000
+    assert [c.name for c in tmp_path.glob('ckpt_*.pt')] == ['ckpt_000000.pt']
+    p = train(tmp_path, '--steps=6', '--save_every=1', '--resume=True')
+    assert 'resumed from' in p.stdout and 'ckpt_000000.pt' in p.stdout and 'warm start' not in p.stdout
+    assert metrics(tmp_path) == reference
+
+
 def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
     train(tmp_path, '--steps=2', '--save_every=1', '--keep_checkpoints=2')
     ckpts = sorted(tmp_path.glob('ckpt_*.pt'))
@@ -167,12 +175,12 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(tmp_path):
     ckpts = {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')}
     p = train(tmp_path, '--steps=1', check=False)
     assert p.returncode == 2 and p.stderr.count('\n') == 1
-    assert 'holds an earlier run (1 checkpoint(s), metrics.jsonl present): --resume=True continues it, --overwrite=True' in p.stderr
+    assert 'holds an earlier run (2 checkpoint(s), metrics.jsonl present): --resume=True continues it, --overwrite=True' in p.stderr
     assert {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')} == ckpts
     (tmp_path / 'rollout_000001.pt').write_bytes(b'a dump of the earlier run')
     (tmp_path / 'notes.txt').write_text('mine')
     p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
-    assert 'overwrite: removing 1 checkpoint(s) and 1 rollout dump(s)' in p.stdout
+    assert 'overwrite: removing 2 checkpoint(s) and 1 rollout dump(s)' in p.stdout
     assert not (tmp_path / 'rollout_000001.pt').exists() and (tmp_path / 'notes.txt').read_text() == 'mine'
     state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
     assert state['vocab'][:3] == ['<pad>', '<bos>', '<unk>'] and len(state['vocab']) > 100
