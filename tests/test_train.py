@@ -1,4 +1,5 @@
 """End-to-end runs of train.py in subprocesses: determinism, resume, SIGKILL, corrupt checkpoints."""
+import importlib.util
 import json
 import os
 import random
@@ -10,8 +11,12 @@ import time
 import pytest
 import torch
 
-from config import load_config
+import rollout
+from config import config, load_config
 from gym import load_gym
+from gyms import memory as gm
+from model import load_policy
+from rollout import rollout_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ('step_time_s', 'tokens_per_s')
@@ -160,8 +165,26 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     last = rows[-1]
     assert [r['step'] for r in rows] == [0, 1, 2]
     assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
-    for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'mem_tokens_mean', 'tt', 'pt', 'em', 'f1'):
+    for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_reward_time_s', 'mem_tokens_mean',
+                'tt', 'pt', 'em', 'f1'):
         assert key in rows[1] and rows[1][key] == rows[1][key], key  # present and not NaN
+    # scripts/mem_reward_check.py on this run: the two P's and their correlations with memory quality
+    spec = importlib.util.spec_from_file_location('mem_reward_check', os.path.join(ROOT, 'scripts', 'mem_reward_check.py'))
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.check(str(tmp_path), n_tasks=4) == dict(step=2, turns=0)  # a 3-step warm start finds no fact
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=40', '--eval_tasks=4', '--device=cpu', '--n_embd=32'])
+    gym_ = load_gym(cfg, None, config)
+    model = load_policy(cfg, gym_['tok'].vocab_size).eval()
+    lossy = gm.folded_policy(lambda *a: gm.oracle_policy(*a, forget=True))  # forgets every finished answer but the last
+    tasks = [t for t in gym_['train_tasks'] if len(t.golds) >= 3][:6]
+    trajs = rollout_batch([gm.folded_policy(gm.oracle_policy)] * 6 + [lossy] * 6, gym_['fmt'],
+                          [gym_['make_env']() for _ in range(12)], tasks * 2, cfg)
+    r = check.probe(model, gym_, cfg, trajs)
+    assert r['turns'] >= 30 and 0 < r['lossy'] < r['turns']  # the lossy oracle's memories lose what is needed
+    assert 0 < r['P_mem'] < 1 and 0 < r['P_full'] < 1 and all(-1 <= r[k] <= 1 for k in ('corr_mem', 'corr_full', 'corr_reward'))
+    assert rollout.answer_probs is check.rollout.answer_probs and rollout.answer_probs.__name__ == 'answer_probs'  # restored
+    assert check.pearson([1, 2, 3], [2, 4, 7]) > 0.98 and check.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
     ks = sorted(int(k.split('_k')[1]) for k in last if k.startswith('eval_em_k'))
     assert ks and set(ks) <= {1, 2, 3, 4, 5}
     for k in ks:

@@ -1,0 +1,88 @@
+"""
+Does MemPO's memory reward track memory quality? For the newest checkpoint of each run directory given
+(a memory-gym run), sample one episode on each of 64 training tasks, score every turn's P_mem and
+P_full exactly as training does (rollout.memory_rewards) and print their means and their correlation
+with the turn's memory quality (gyms/memory.py, memory_quality: the fraction of what later turns need
+that the <mem> holds). Issue #16's diagnosis, on training tasks only.
+
+    python scripts/mem_reward_check.py out/ablate_lossy/mempo_s1 out/ablate_lossy/grpo_fold_s1
+"""
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+import report
+import rollout
+from config import config, fail, load_config
+from gym import load_gym
+from model import load_policy
+
+
+def pearson(a, b):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    a, b = a - a.mean(), b - b.mean()
+    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-12))
+
+
+def probe(model, gym_, cfg, trajs):
+    """{turns, lossy, P_mem, P_full, corr_mem, corr_full, corr_reward} of memory-gym trajectories:
+    over the turns that memory_rewards scores and whose quality is defined, the mean P's and the Pearson
+    correlations of P_mem, P_full and the reward P_mem - P_full with the quality; lossy counts turns
+    of quality < 1. turns is 0 (and nothing else is given) when no such turn exists."""
+    probs, originals = {}, {name: getattr(rollout, name) for name in ('answer_probs', 'full_answer_probs')}
+    for name, f in originals.items():  # record the two P's memory_rewards computes, exactly as training does
+        def spy(*args, _f=f, _name=name):
+            probs[_name] = _f(*args)
+            return probs[_name]
+        setattr(rollout, name, spy)
+    try:
+        _, valid = rollout.memory_rewards(model, trajs, gym_['fmt'], [gym_['answer_text'](t.task) for t in trajs], cfg)
+    finally:
+        for name, f in originals.items():
+            setattr(rollout, name, f)
+    rows = []
+    for i, (n, k) in enumerate(valid.nonzero().tolist()):
+        q = trajs[n].info.get('mem_quality_turns', [])
+        if k < len(q) and q[k] is not None:
+            rows.append((float(probs['answer_probs'][i]), float(probs['full_answer_probs'][i]), q[k]))
+    if not rows:  # an untrained policy finds no fact, so no memory has a defined quality
+        return dict(turns=0)
+    pm, pf, q = zip(*rows)
+    return dict(turns=len(rows), lossy=sum(x < 1 for x in q), P_mem=sum(pm) / len(pm), P_full=sum(pf) / len(pf),
+                corr_mem=pearson(pm, q), corr_full=pearson(pf, q), corr_reward=pearson([a - b for a, b in zip(pm, pf)], q))
+
+
+def check(out_dir, n_tasks=64):
+    """probe() of one sampled episode on each of n_tasks training tasks (seeded) by the newest checkpoint
+    in out_dir, with its step. Exits 2 with one line without a checkpoint or for another gym's run."""
+    state, path = report.load_latest_checkpoint(out_dir)
+    if state is None:
+        fail(f'no checkpoint in {out_dir}')
+    cfg = load_config([], dict(config, **state['config']))
+    if cfg['gym'] != 'memory':
+        fail(f"{out_dir} is a {cfg['gym']!r} run; memory quality is defined by the memory gym")
+    cfg['device'] = 'cpu'
+    gym_ = load_gym(cfg, state.get('vocab'), config)
+    model = load_policy(cfg, gym_['tok'].vocab_size)
+    model.load_state_dict(state['model'])
+    model.eval()
+    rng = random.Random(0)
+    tasks = [rng.choice(gym_['train_tasks']) for _ in range(n_tasks)]
+    trajs = rollout.run_tasks(model, gym_, cfg, tasks, 1, generator=torch.Generator().manual_seed(0))
+    return dict(step=state['step'], **probe(model, gym_, cfg, trajs))
+
+
+if __name__ == '__main__':
+    torch.set_num_threads(1)
+    for out_dir in sys.argv[1:]:
+        r = check(out_dir)
+        if not r['turns']:
+            print(f"{out_dir} (step {r['step']}): no scored turn has a defined memory quality (no fact found yet)")
+            continue
+        print(f"{out_dir} (step {r['step']}): {r['turns']} turns, {r['lossy']} with quality < 1; mean P_mem "
+              f"{r['P_mem']:.3f}, P_full {r['P_full']:.3f}; correlation with quality: P_mem {r['corr_mem']:+.2f}, "
+              f"P_full {r['corr_full']:+.2f}, P_mem - P_full {r['corr_reward']:+.2f}")
