@@ -3,7 +3,9 @@ Does MemPO's memory reward track memory quality? For the newest checkpoint of ea
 (a memory-gym run), sample one episode on each of 64 training tasks, score every turn's P_mem and
 P_full exactly as training does (rollout.memory_rewards) and print their means and their correlation
 with the turn's memory quality (gyms/memory.py, memory_quality: the fraction of what later turns need
-that the <mem> holds). Issue #16's diagnosis, on training tasks only.
+that the <mem> holds). Then the same means on the oracle's episodes of 64 training tasks with 3 or
+more objectives, once with complete memories and once with lossy ones (every finished answer but the
+last forgotten): does the reward tell them apart? Issue #16's diagnosis, on training tasks only.
 
     python scripts/mem_reward_check.py out/ablate_lossy/mempo_s1 out/ablate_lossy/grpo_fold_s1
 """
@@ -19,6 +21,7 @@ import report
 import rollout
 from config import config, fail, load_config
 from gym import load_gym
+from gyms import memory as gm
 from model import load_policy
 
 
@@ -73,7 +76,15 @@ def check(out_dir, n_tasks=64):
     rng = random.Random(0)
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n_tasks)]
     trajs = rollout.run_tasks(model, gym_, cfg, tasks, 1, generator=torch.Generator().manual_seed(0))
-    return dict(step=state['step'], **probe(model, gym_, cfg, trajs))
+    out = dict(step=state['step'], **probe(model, gym_, cfg, trajs))
+    # the same rewards on scripted episodes of 3+ objectives whose memories are complete or lose every
+    # finished answer but the last: the same searches, only the <mem> differs
+    tasks = [t for t in gym_['train_tasks'] if len(t.golds) >= 3][:n_tasks]
+    for name, forget in (('complete', False), ('lossy', True)):
+        policy = gm.folded_policy(lambda q, m, o, f=forget: gm.oracle_policy(q, m, o, forget=f))
+        trajs = rollout.rollout_batch([policy] * len(tasks), gym_['fmt'], [gym_['make_env']() for _ in tasks], tasks, cfg)
+        out[f'oracle_{name}'] = probe(model, gym_, cfg, trajs)
+    return out
 
 
 if __name__ == '__main__':
@@ -83,6 +94,10 @@ if __name__ == '__main__':
         if not r['turns']:
             print(f"{out_dir} (step {r['step']}): no scored turn has a defined memory quality (no fact found yet)")
             continue
-        print(f"{out_dir} (step {r['step']}): {r['turns']} turns, {r['lossy']} with quality < 1; mean P_mem "
+        print(f"{out_dir} (step {r['step']}): sampled, {r['turns']} turns, {r['lossy']} with quality < 1; mean P_mem "
               f"{r['P_mem']:.3f}, P_full {r['P_full']:.3f}; correlation with quality: P_mem {r['corr_mem']:+.2f}, "
               f"P_full {r['corr_full']:+.2f}, P_mem - P_full {r['corr_reward']:+.2f}")
+        for name in ('complete', 'lossy'):
+            o = r[f'oracle_{name}']
+            print(f"  oracle, {name} memories: {o['turns']} turns, mean P_mem {o['P_mem']:.3f}, P_full {o['P_full']:.3f}, "
+                  f"P_mem - P_full {o['P_mem'] - o['P_full']:+.3f}")
