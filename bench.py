@@ -10,7 +10,7 @@ alternated repetition by repetition so both see the same machine load.
 
 Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one
 repetition: a plumbing check for the tests), --device=cpu, --threads=1 (torch CPU threads, pinned:
-shared cores make 2 erratic), --json=FILE (write the rows), --only=tiny,hf,smollm2,ppo,rl (a subset).
+shared cores make 2 erratic), --json=FILE (write the rows), --only=tiny,hf,smollm2,ppo,mem,rl (a subset).
 
 Rows (ratio > 1 means we are faster):
   tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
@@ -23,6 +23,9 @@ Rows (ratio > 1 means we are faster):
                                 and _smollm2 on SmolLM2-135M
   ppo_update_tokens_per_s       train.ppo_update vs a naive update, one unbatched forward/backward
                                 per sequence; MFU = 6 x parameters x tokens / time / peak
+  memory_rewards_shared_history_vs_row_per_turn MemPO's P_mem - P_full of every turn: each history
+                                run once and scored on its KV cache vs one padded row per turn;
+                                TinyAgent on the memory gym's oracle episodes (turns/s)
   rl_step_vs_trl                one RL step (rollout + reward + update) vs TRL's GRPOTrainer
 
 Simplifications, on purpose:
@@ -60,11 +63,11 @@ PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'A100': 312e12}  # dense bf16 FLOP/
 # sizes per mode: batch rows (B, R, prompts x group), prompt and new tokens, repetitions after warm-up
 SIZES = dict(
     smoke=dict(reps=1, warmup=0, tiny_B=2, tiny_prompt=8, hf_B=2, hf_new=4, hf_hidden=32, ppo_R=4, ppo_T=32,
-               rl_prompts=1, rl_group=2, rl_new=4, mt_B=2, mt_new=4, smollm2=False),
+               rl_prompts=1, rl_group=2, rl_new=4, mt_B=2, mt_new=4, mem_B=2, smollm2=False),
     quick=dict(reps=5, warmup=1, tiny_B=8, tiny_prompt=16, hf_B=8, hf_new=32, hf_hidden=64, ppo_R=32, ppo_T=128,
-               rl_prompts=2, rl_group=4, rl_new=32, mt_B=2, mt_new=16, smollm2=True),
+               rl_prompts=2, rl_group=4, rl_new=32, mt_B=2, mt_new=16, mem_B=16, smollm2=True),
     full=dict(reps=5, warmup=1, tiny_B=16, tiny_prompt=16, hf_B=16, hf_new=64, hf_hidden=64, ppo_R=64,
-              ppo_T=192, rl_prompts=2, rl_group=8, rl_new=64, mt_B=4, mt_new=32, smollm2=True),
+              ppo_T=192, rl_prompts=2, rl_group=8, rl_new=64, mt_B=4, mt_new=32, mem_B=64, smollm2=True),
 )
 TINY_LENGTHS = (64, 128, 256)
 TINY_VOCAB = 512  # about the BugFix word vocabulary (400 words)
@@ -282,6 +285,47 @@ def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
                     f'{count_params(model) / 1e6:.1f}M params')
 
 
+def bench_memory_rewards(args, sz):
+    """MemPO's memory rewards of oracle episodes on the memory gym (3-4 objectives, 8-15 turns each) with
+    the tiny_mem TinyAgent: rollout.memory_rewards (each history run once, every turn's P_full scored
+    on its KV cache) vs one padded row per turn for P_full (the whole history before the turn, as
+    before), P_mem the same in both. Both in micro-batches of max_tokens_per_microbatch tokens."""
+    from gym import build_tokenizer, word_format
+    from gyms import memory as gm
+    from rollout import answer_pieces, answer_probs, memory_rewards
+    tok = build_tokenizer(gm.memory_texts())
+    fmt = word_format(tok, memory=True)
+    torch.manual_seed(0)
+    model = TinyAgent(tok.vocab_size, 2, 4, 128, 512).to(args.device).eval()
+    cfg = dict(train.config, max_turns=17, max_len=512, max_response_tokens=24, keep_tool_results=1, device=args.device)
+    tasks = gm.make_tasks('train', sz['mem_B'], seed=5, n_objectives=(3, 4))
+    trajs = rollout_batch([gm.folded_policy(gm.oracle_policy)] * len(tasks), fmt, [gm.MemoryEnv() for _ in tasks], tasks, cfg)
+    answers = [gm.answer_text(t.task) for t in trajs]
+
+    def per_turn_rows():
+        full, short = [], []
+        for t, a in zip(trajs, answers):
+            ans, am = answer_pieces(fmt, a)
+            hist, turn = t.ids.tolist(), t.turn.tolist()
+            for k in range(1, len(t.turns)):
+                start, mem_len = turn.index(k), t.turns[k]['mem_len']
+                end = start + len(fmt.turn_prefix) + mem_len
+                if mem_len and end + len(ans) <= cfg['max_len']:
+                    full.append((hist[:end], ans, am))
+                    short.append((hist[:t.prompt_len] + hist[start:end], ans, am))
+        with torch.no_grad():
+            return answer_probs(model, short, fmt, cfg) - answer_probs(model, full, fmt, cfg)
+    ours = lambda: memory_rewards(model, trajs, fmt, answers, cfg)
+    t_ours, t_base = median_times([ours, per_turn_rows], args.device, sz['reps'], sz['warmup'])
+    mem_r, valid = ours()
+    gap = float((mem_r[valid] - per_turn_rows()).abs().max())
+    turns = int(valid.sum())
+    return row('memory_rewards_shared_history_vs_row_per_turn', turns / t_ours, turns / t_base, 'turns/s',
+               note=f'{len(trajs)} oracle episodes, {turns} scored turns, histories of '
+                    f'{min(len(t.ids) for t in trajs)}-{max(len(t.ids) for t in trajs)} tokens, '
+                    f'{count_params(model) / 1e6:.2f}M params; max |difference| {gap:.1e}')
+
+
 def tiny_qwen3_model(args, sz, seed=0):
     """A random tiny Qwen3 (model.tiny_qwen3: 2 layers, 151,669-token vocabulary, tied embeddings)."""
     from model import tiny_qwen3
@@ -460,7 +504,7 @@ def bench_rl_step(args, sz):
 # -----------------------------------------------------------------------------
 
 
-OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,rl')
+OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,mem,rl')
 
 
 def print_table(rows):
@@ -494,6 +538,7 @@ def main(argv=None):
                                                   151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
                    ppo=lambda: [bench_ppo(args, sz, peak)],
+                   mem=lambda: [bench_memory_rewards(args, sz)],
                    rl=lambda: bench_rl_step(args, sz))
     for key, fn in benches.items():
         if key in only:

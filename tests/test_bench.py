@@ -44,11 +44,13 @@ def test_nocache_baseline_matches_kv_cache_greedy_on_tiny_qwen3():
 
 
 def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
-    rows = run_smoke(tmp_path, 'tiny,hf,ppo')
+    rows = run_smoke(tmp_path, 'tiny,hf,ppo,mem')
     check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',
                       'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'multiturn_rollout_kv_reuse_vs_reprefill',
-                      'ppo_update_tokens_per_s'])
-    assert rows[-1]['mfu'] > 0  # against the measured CPU matmul peak
+                      'ppo_update_tokens_per_s', 'memory_rewards_shared_history_vs_row_per_turn'])
+    assert rows[-2]['mfu'] > 0  # against the measured CPU matmul peak
+    gap = float(rows[-1]['note'].split('max |difference| ')[1])  # the two ways give the same rewards
+    assert gap <= 1e-6 and ' 0 scored turns' not in rows[-1]['note']
 
 
 @pytest.mark.slow
