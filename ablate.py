@@ -88,6 +88,15 @@ def parse_args(argv):
     if len(opts['jobs']) != 1 or opts['jobs'][0] < 1:
         fail(f"--jobs takes one integer >= 1, got {','.join(map(str, opts['jobs']))}")
     opts['jobs'] = opts['jobs'][0]
+    owned = {'seed': 'use --seeds', 'out_dir': 'use --out', 'overwrite': 'always on; --rerun reruns finished runs',
+             'resume': 'finished runs are skipped, others rerun'}
+    if not opts['main']:
+        owned.update(mem_coef="the variants set it; MemPO's value comes from --config's file",
+                     keep_tool_results='the variants set it')
+    for a in passthrough:  # a passed-through key that ablate sets itself would silently undo a variant or a seed
+        key = a[2:].split('=', 1)[0]
+        if key in owned:
+            fail(f"--{key} cannot be passed through: ablate.py sets it for each run ({owned[key]})")
     return opts, passthrough
 
 
@@ -127,6 +136,9 @@ def run_config(config, variant, seed, out_dir, extra):
     args = [config, *{**VARIANTS, **MAIN_VARIANTS}[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
     cfg = load_config(args)
     gym_module(cfg, config_defaults)  # a gym-specific key this gym ignores stops here too, before any run
+    if variant == 'mempo' and not cfg['mem_coef']:  # three variants that differ in nothing the table could show
+        fail(f"{config}: mem_coef is 0, so the mempo variant would be grpo_fold; the ablation needs a config with "
+             f"mem_coef > 0 (a gym whose turns write <mem>, e.g. config/tiny_mem.yaml)")
     return [sys.executable, 'train.py', *args], cfg
 
 

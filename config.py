@@ -170,7 +170,9 @@ def load_config(argv, defaults=config):
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
         else:
             if not os.path.isfile(arg):
-                fail(f'config file is a directory: {arg}' if os.path.isdir(arg) else f'config file not found: {arg}')
+                bare = next((a for a in argv if a.startswith('--') and '=' not in a), None)  # '--steps 3' for '--steps=3'
+                fail((f'config file is a directory: {arg}' if os.path.isdir(arg) else f'config file not found: {arg}')
+                     + (f" (flags take their value after '=': {bare}={arg})" if bare else ''))
             try:
                 with open(arg) as f:
                     loaded = yaml.safe_load(f) or {}
@@ -188,12 +190,12 @@ def load_config(argv, defaults=config):
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
     cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
-    for key in ('batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
+    for key in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
                 'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples', 'warmstart_batch_size', 'keep_checkpoints',
                 'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
         if cfg[key] < 1:
             fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
-    for key in ('steps', 'threads', 'eval_every', 'log_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
+    for key in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
                 'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
                 'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):
         if cfg[key] < 0:

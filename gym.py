@@ -188,6 +188,14 @@ SPECIALS = ['<pad>', '<bos>', '<unk>', '<obs>', '</obs>', '<call>', '</call>', '
             '<search>', '</search>', '<answer>', '</answer>', '<think>', '</think>']
 
 
+class OutOfVocabulary(ValueError):
+    """A text with a word the tiny model's vocabulary lacks (WordTokenizer.encode)."""
+
+
+class GymContractError(ValueError):
+    """A gym broke the contract above (rollout.check_done_info): train.py stops with one line."""
+
+
 class WordTokenizer:
     """Word level: one whitespace-separated word is one id; a newline is the word <nl>. Specials have
     the fixed ids 0..15 (SPECIALS order). The vocabulary is closed: a gym lists every word it can
@@ -206,12 +214,12 @@ class WordTokenizer:
 
     def encode(self, text):
         """str -> list[int]; a one-word-per-id split, so there is never more than one tokenisation.
-        Raises ValueError naming the first word that is not in the vocabulary."""
+        Raises OutOfVocabulary (a ValueError) naming the first word that is not in the vocabulary."""
         try:
             return [self.stoi[w] for w in text.replace('\n', ' <nl> ').split()]
         except KeyError as e:
-            raise ValueError(f"word {e.args[0]!r} is not in the tiny vocabulary of this gym "
-                             "(add it to the gym's texts)") from None
+            raise OutOfVocabulary(f"word {e.args[0]!r} is not in the tiny vocabulary of this gym "
+                                  "(add it to the gym's texts)") from None
 
     def decode(self, ids):
         """list[int] -> str, words joined by one space (<nl> stays a word: decode(encode(s)) == s for

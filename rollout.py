@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gym import OWNER, STOPS
+from gym import OWNER, STOPS, GymContractError
 from model import (autocast, cache_layers, forward_cached, make_cache, micro_batches, position_ids_from_mask, sample_next,
                    select_cache, sequence_log_probs)
 
@@ -114,9 +114,10 @@ def finish(ep, reward, info, stop=None):
     try:
         ep.reward = float(reward)
     except (TypeError, ValueError):
+        ep.reward, ep.valid = float('nan'), False
+    if not math.isfinite(ep.reward):  # a NaN reward would poison its group's mean and std
+        ep.info.setdefault('error', f'reward {reward!r} is not a finite number')
         ep.reward, ep.valid = 0.0, False
-    if not math.isfinite(ep.reward):
-        ep.reward, ep.valid = 0.0, False  # a NaN reward would poison its group's mean and std
     if not ep.valid:
         ep.info['invalid'] = True
     if stop is not None:
@@ -126,14 +127,15 @@ def finish(ep, reward, info, stop=None):
 
 def check_done_info(env, info):
     """A finished episode's info must hold success and a stop in gym.STOPS (the gym contract, gym.py):
-    without them success rates would silently count 0. Raises ValueError naming the env class."""
+    without them success rates would silently count 0. Raises GymContractError (a ValueError) naming
+    the env class."""
     name = type(env).__name__
     missing = [k for k in ('success', 'stop') if not isinstance(info, dict) or k not in info]
     if missing:
-        raise ValueError(f"{name}.step returned done=True without info[{missing[0]!r}] (gym.py: a finished "
+        raise GymContractError(f"{name}.step returned done=True without info[{missing[0]!r}] (gym.py: a finished "
                          f"episode's info holds success and stop)")
     if info['stop'] not in STOPS:
-        raise ValueError(f"{name}.step returned done=True with info['stop']={info['stop']!r}, not one of gym.STOPS "
+        raise GymContractError(f"{name}.step returned done=True with info['stop']={info['stop']!r}, not one of gym.STOPS "
                          f"({', '.join(STOPS)})")
 
 

@@ -33,7 +33,7 @@ import torch
 import report
 from advantage import grpo_advantage, memory_advantage, token_advantages
 from config import all_reduce, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
-from gym import gym_module, load_gym
+from gym import GymContractError, OutOfVocabulary, gym_module, load_gym
 from model import (autocast, count_params, fold_lora, load_policy, lora_layers, merged, micro_batches, reference_log_probs,
                    sequence_log_probs)
 from rollout import check_prompts_fit, collate, episode_rows, memory_rewards, run_tasks
@@ -232,12 +232,30 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     return m
 
 
+_WARNED = set()
+
+
+def check_invalid(trajs, what):
+    """Invalid episodes (the gym's step raised, or its reward was not a finite number) are left out of
+    training; the first time, one stderr line says how many and why. When every episode of `what` is
+    invalid the gym is broken, not flaky: exit 2 with the first episode's error."""
+    bad = [t.info.get('error', 'invalid') for t in trajs if not t.valid]
+    if bad and len(bad) == len(trajs):
+        fail(f"{what}: every episode is invalid; the first: {bad[0]}")
+    if bad and what not in _WARNED and rank() == 0:
+        _WARNED.add(what)
+        print(f"warning: {what}: {len(bad)} of {len(trajs)} episodes invalid (reward 0"
+              f"{', left out of the update, logged as invalid_episodes' if what == 'RL' else ''}); the first: {bad[0]}",
+              file=sys.stderr)
+
+
 def train_step(model, ref_model, opt, gym_, cfg, rng, gen):
     """One RL step on this rank's share of the groups (steps 1-5 of the docstring). Returns (metrics
     dict, trajectories, batch, advantages)."""
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(cfg['batch_size'])]  # the same draw on every rank
     mine = list(range(rank(), cfg['batch_size'], world_size()))  # a group never straddles ranks
     trajs = run_tasks(model, gym_, cfg, [tasks[g] for g in mine], cfg['group_size'], mine, gen)
+    check_invalid(trajs, 'RL')
     batch = collate(trajs, gym_['fmt'].pad_id)
     ref_logp = reference_log_probs(ref_model, batch, cfg) if ref_model is not None else None
     adv, mem_stats = compute_advantages(model, gym_, cfg, trajs, batch, ref_logp)
@@ -258,6 +276,9 @@ def train_step(model, ref_model, opt, gym_, cfg, rng, gen):
 # evaluation and warm start
 
 
+EVAL_EPISODES_PER_BATCH = 512  # an evaluation rolls out at most this many episodes at once
+
+
 @torch.no_grad()
 def evaluate(model, gym_, cfg, step):
     """Held-out success, greedy (one episode per task) and sampled (eval_samples per task); the tasks
@@ -275,7 +296,9 @@ def evaluate(model, gym_, cfg, step):
         tasks = split[rank()::world_size()]
         gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] * 7919 + step * 104729 + rank() + seed_offset)
         for key, temp, reps in [(greedy_key, 0.0, 1), (sampled_key, cfg['temperature'], cfg['eval_samples'])]:
-            trajs = run_tasks(model, gym_, cfg, tasks, reps, generator=gen, temperature=temp) if tasks else []
+            per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
+            trajs = [t for i in range(0, len(tasks), per_batch)
+                     for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
             eps = gather([report.summarise(t) for t in trajs])
             out[key] = report.episode_metrics(eps)['success_rate']
             if key == 'eval_sampled_success':
@@ -306,7 +329,9 @@ def warm_start(model, gym_, cfg, rng):
         return None
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
-    batch = collate(run_tasks(policies, gym_, cfg, tasks), gym_['fmt'].pad_id)
+    trajs = run_tasks(policies, gym_, cfg, tasks)
+    check_invalid(trajs, 'warm start')
+    batch = collate(trajs, gym_['fmt'].pad_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()
     rows_of = episode_rows(batch['row_episode'], n)  # a step draws episodes, not rows (docstring)
@@ -387,7 +412,7 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         t0 = time.time()
         try:
             sft_loss = warm_start(model, gym_, cfg, rng)  # identical on every rank (same seed, same data)
-        except ValueError as e:  # a scripted text the gym's tokenizer cannot encode (a word outside the vocabulary)
+        except (OutOfVocabulary, GymContractError) as e:  # the gym's texts or its env, not a bug here: one line
             fail(f'warm start: {e}')
         if sft_loss is not None and rank() == 0:
             print(f'warm start: {cfg["warmstart_steps"]} steps, loss {sft_loss:.3f} (mean of the last {min(10, cfg["warmstart_steps"])}), {time.time() - t0:.0f}s')
@@ -483,10 +508,11 @@ def main(argv):
     gym_, model, rng, gen, ckpt = init_run(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
+    if master:  # before the warm start: a run stopped during it still says what it was
+        json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
     start, ref_model = start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt)
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     if master:
-        json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
         metrics_file = open(metrics_path, 'a')
     bad_steps = 0
     for step in report.progress(range(start + 1, cfg['steps'] + 1), 'RL', cfg, initial=start, total=cfg['steps'],
@@ -531,7 +557,10 @@ def main(argv):
 if __name__ == '__main__':
     try:
         main(sys.argv[1:])
+    except (OutOfVocabulary, GymContractError) as e:  # a gym's mistake met during RL or an evaluation
+        fail(str(e))
     except KeyboardInterrupt:  # one line, not a traceback: what was saved is kept
-        print("\ninterrupted: what out_dir holds is kept (a checkpoint after the warm start and every save_every RL "
-              "steps); --resume=True continues from the newest checkpoint, or starts over without one", file=sys.stderr)
+        print("\ninterrupted: what out_dir holds is kept (a checkpoint once the warm start and the step-0 evaluation "
+              "are done, then every save_every RL steps); --resume=True continues from the newest checkpoint, or "
+              "starts over without one", file=sys.stderr)
         sys.exit(130)

@@ -88,16 +88,19 @@ def check(out_dir, n_tasks=64):
 
 
 if __name__ == '__main__':
+    if not sys.argv[1:] or sys.argv[1] in ('-h', '--help'):
+        print(__doc__.strip())
+        sys.exit(0 if sys.argv[1:] else 2)
     torch.set_num_threads(1)
     for out_dir in sys.argv[1:]:
         r = check(out_dir)
-        if not r['turns']:
-            print(f"{out_dir} (step {r['step']}): no scored turn has a defined memory quality (no fact found yet)")
-            continue
-        print(f"{out_dir} (step {r['step']}): sampled, {r['turns']} turns, {r['lossy']} with quality < 1; mean P_mem "
-              f"{r['P_mem']:.3f}, P_full {r['P_full']:.3f}; correlation with quality: P_mem {r['corr_mem']:+.2f}, "
-              f"P_full {r['corr_full']:+.2f}, P_mem - P_full {r['corr_reward']:+.2f}")
+        if r['turns']:
+            print(f"{out_dir} (step {r['step']}): sampled, {r['turns']} turns, {r['lossy']} with quality < 1; mean "
+                  f"P_mem {r['P_mem']:.3f}, P_full {r['P_full']:.3f}; correlation with quality: P_mem "
+                  f"{r['corr_mem']:+.2f}, P_full {r['corr_full']:+.2f}, P_mem - P_full {r['corr_reward']:+.2f}")
+        else:
+            print(f"{out_dir} (step {r['step']}): sampled, no scored turn has a defined memory quality (no fact found yet)")
         for name in ('complete', 'lossy'):
             o = r[f'oracle_{name}']
             print(f"  oracle, {name} memories: {o['turns']} turns, mean P_mem {o['P_mem']:.3f}, P_full {o['P_full']:.3f}, "
-                  f"P_mem - P_full {o['P_mem'] - o['P_full']:+.3f}")
+                  f"P_mem - P_full {o['P_mem'] - o['P_full']:+.3f}" if o['turns'] else f"  oracle, {name} memories: no scored turn")

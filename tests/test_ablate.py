@@ -207,3 +207,20 @@ def test_bad_flags_exit_with_one_line(arg, capsys):
         ablate.parse_args([arg])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith('error: --') and err.count('\n') == 1
+
+
+@pytest.mark.parametrize('args, needle', [
+    (['--mem_coef=0.5'], "--mem_coef cannot be passed through: ablate.py sets it for each run"),
+    (['--keep_tool_results=2'], '--keep_tool_results cannot be passed through'),
+    (['--seed=7'], '--seed cannot be passed through: ablate.py sets it for each run (use --seeds)'),
+    (['--out_dir=x'], '--out_dir cannot be passed through: ablate.py sets it for each run (use --out)'),
+    (['--config=config/smoke.yaml'], 'config/smoke.yaml: mem_coef is 0, so the mempo variant would be grpo_fold'),
+])
+def test_keys_that_would_undo_a_variant_or_a_seed_stop_with_one_line(args, needle, capsys, tmp_path):
+    """A passed-through key that ablate sets itself (the variants' keys, the seed, the out_dir) would make
+    the variants or the seeds alike, silently: refused before any run."""
+    with pytest.raises(SystemExit) as e:
+        ablate.main([f'--out={tmp_path}', '--dry_run', '--seeds=1', *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and err.count('\n') == 1
+    assert ablate.parse_args(['--main', '--keep_tool_results=2'])[1] == ['--keep_tool_results=2']  # --main: a plain key

@@ -43,6 +43,8 @@ def run_train(*args):
     (['--lora_rank=4'], "config key 'lora_rank' needs a Hugging Face model"),
     (['--chat_template=qwen3'], "config key 'chat_template' needs a Hugging Face model"),
     (['config/tiny_qwen3_quixbugs.yaml', '--lora_rank=1000'], "config key 'lora_rank' (1000) is above the model's hidden size"),
+    (['config/smoke.yaml', '--steps', '3'], "config file not found: 3 (flags take their value after '=': --steps=3)"),
+    (['--log_every=0'], "config key 'log_every' must be >= 1, got 0"),
     (['--eval_tasks=49'], "config key 'eval_tasks' asks for 49 held-out tasks; gym 'bugfix' has 48 (0 = all of them)"),
     (['--gym=memory', '--oracle_forget=1.5'], "config key 'oracle_forget' is a probability, in [0, 1], got 1.5"),
     (['--gym=quixbugs', '--model=tiny-qwen3', '--chat_template=no/such.jinja'],

@@ -1,5 +1,6 @@
 """The gym contract (gym.py): every gym in gyms/ conforms, and load_gym / the rollout refuse what
 breaks it with one line."""
+import json
 import random
 
 import pytest
@@ -184,3 +185,36 @@ def test_a_broken_gym_file_stops_only_its_own_gym(tmp_path, monkeypatch, capsys)
             load_gym(dict(small_cfg('example'), gym=name), None, config)
         err = capsys.readouterr().err
         assert err.count('\n') == 1 and needle in err, err
+
+
+def test_a_gym_whose_step_breaks_in_every_episode_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    """A forked gym whose step returns 3 values (or raises) in every episode used to train 'successfully'
+    on invalid episodes with success 0; now the warm start stops with the first episode's error."""
+    import gyms.example as ex
+    import train
+    monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, action, finish='stop': ('obs', 0.0, False))
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1, err
+    assert err.startswith('error: warm start: every episode is invalid; the first: ValueError: not enough values to unpack')
+
+
+def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, monkeypatch, capsys):
+    import gyms.example as ex
+    import train
+    step = ex.GuessEnv.step
+
+    def flaky(self, action, finish='stop'):
+        if self.secret % 3 == 0:
+            return 'obs', None, True, dict(success=False, stop='over')  # a reward of None
+        return step(self, action, finish)
+    monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    monkeypatch.setattr(train, '_WARNED', set())
+    train.main(['config/example.yaml', '--warmstart_episodes=8', '--warmstart_steps=2', '--steps=2', '--eval_every=0',
+                f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert err.count('warning: warm start: ') == 1 and err.count('warning: RL: ') == 1  # once each, not every step
+    assert 'episodes invalid' in err and "the first: reward None is not a finite number" in err
+    rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+    assert all(r['invalid_episodes'] > 0 for r in rows if r['step'] > 0)

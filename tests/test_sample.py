@@ -281,6 +281,18 @@ def test_a_config_whose_out_dir_holds_no_run_is_refused_too(tmp_path, capsys):
     assert e.value.code == 2 and f"no checkpoint in {tmp_path / 'none'} (add --untrained" in capsys.readouterr().err
 
 
+def test_untrained_with_a_runs_out_dir_builds_that_runs_gym_and_model(memory, tmp_path, capsys):
+    """--untrained --out_dir=<a memory-gym run> used to build the default bugfix gym: it reads the run's
+    config.json (its gym, its model sizes), flags still on top."""
+    cfg, g, _, _, _ = memory
+    json.dump(dict(cfg, out_dir=str(tmp_path), n_layer=1, n_head=2, n_embd=32), open(tmp_path / 'config.json', 'w'))
+    got, gym_, model, policy = sample.load_run([f'--out_dir={tmp_path}', '--max_turns=3'], untrained=True)
+    assert got['gym'] == 'memory' and got['n_embd'] == 32 and got['max_turns'] == 3 and gym_['fmt'].mem_span
+    assert policy == f"untrained tiny (--untrained, the config of {tmp_path / 'config.json'})"
+    got, _, _, policy = sample.load_run([f"--out_dir={tmp_path / 'none'}"], untrained=True)  # no run there: the defaults
+    assert policy == 'untrained tiny (--untrained)' and got['gym'] == 'bugfix'
+
+
 def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
     ckpt = tmp_path / 'ckpt_000002.pt'
     torch.save(dict(model={}, step=2), ckpt)  # a checkpoint, not a rollout dump

@@ -269,3 +269,28 @@ def test_learning_rate_warms_up_then_stays_or_decays_to_min_lr():
     assert lrs[:5] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 1e-3])  # the same warm-up
     assert lrs[54] == pytest.approx(5.5e-4) and lrs[-1] == pytest.approx(1e-4)  # half-way down at the middle, min_lr last
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # never rises after the warm-up
+
+
+def test_evaluation_rolls_out_a_bounded_number_of_episodes_at_once(monkeypatch):
+    """Many held-out tasks (--eval_tasks=100000 on a generated gym) are rolled out in batches of at most
+    EVAL_EPISODES_PER_BATCH episodes, not all at once; greedy numbers do not depend on the batching."""
+    import train
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=20', '--eval_tasks=10', '--eval_samples=2', '--device=cpu',
+                       '--n_embd=32', '--max_turns=4'])
+    gym_ = load_gym(cfg, None, config)
+    torch.manual_seed(0)
+    model = load_policy(cfg, gym_['tok'].vocab_size).eval()
+    sizes, run_tasks = [], train.run_tasks
+
+    def spy(model, gym_, cfg, tasks, reps, **kw):
+        sizes.append(len(tasks) * reps)
+        return run_tasks(model, gym_, cfg, tasks, reps, **kw)
+    monkeypatch.setattr(train, 'run_tasks', spy)
+    whole = train.evaluate(model, gym_, cfg, 0)
+    assert sizes == [10, 20]  # one batch each for greedy and sampled
+    sizes.clear()
+    monkeypatch.setattr(train, 'EVAL_EPISODES_PER_BATCH', 3)
+    batched = train.evaluate(model, gym_, cfg, 0)
+    assert max(sizes) <= 3 and sum(sizes) == 30
+    assert batched['eval_greedy_success'] == whole['eval_greedy_success']
+    assert {k for k in batched} == {k for k in whole}
