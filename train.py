@@ -236,17 +236,19 @@ _WARNED = set()
 
 
 def check_invalid(trajs, what):
-    """Invalid episodes (the gym's step raised, or its reward was not a finite number) are left out of
-    training; the first time, one stderr line says how many and why. When every episode of `what` is
-    invalid the gym is broken, not flaky: exit 2 with the first episode's error."""
+    """Invalid episodes (the gym's step raised, or its reward was not a finite number) get reward 0 and
+    are left out of the RL update; the first time, one stderr line says how many and why. When every
+    episode of `what` on every rank is invalid the gym is broken, not flaky: exit 2 with an error.
+    Every rank calls it (the counts are summed over ranks)."""
     bad = [t.info.get('error', 'invalid') for t in trajs if not t.valid]
-    if bad and len(bad) == len(trajs):
+    n_bad, n = all_reduce(float(len(bad))), all_reduce(float(len(trajs)))
+    if n_bad and n_bad == n:
         fail(f"{what}: every episode is invalid; the first: {bad[0]}")
-    if bad and what not in _WARNED and rank() == 0:
+    if n_bad and what not in _WARNED and rank() == 0:
         _WARNED.add(what)
-        print(f"warning: {what}: {len(bad)} of {len(trajs)} episodes invalid (reward 0"
-              f"{', left out of the update, logged as invalid_episodes' if what == 'RL' else ''}); the first: {bad[0]}",
-              file=sys.stderr)
+        print(f"warning: {what}: {n_bad:.0f} of {n:.0f} episodes invalid (reward 0"
+              f"{', left out of the update, logged as invalid_episodes' if what == 'RL' else ''})"
+              + (f"; the first: {bad[0]}" if bad else ''), file=sys.stderr)
 
 
 def train_step(model, ref_model, opt, gym_, cfg, rng, gen):
