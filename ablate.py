@@ -273,7 +273,7 @@ def main(argv):
     for variant, seed in runs:
         d = run_dir(opts['out'], variant, seed)
         cmd, cfg = run_config(opts['config'], variant, seed, d, extra)
-        print(' '.join(cmd[1:]), flush=True)
+        print('python ' + ' '.join(cmd[1:]), flush=True)
         if not opts['dry_run'] and (opts['rerun'] or not is_finished(d, cfg)):
             todo.append((variant, seed, cmd, d))
     if opts['dry_run']:

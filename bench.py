@@ -524,6 +524,12 @@ def main(argv=None):
     if rest:
         fail(f"unknown option {rest[0]!r} (bench.py takes {', '.join('--' + k for k in OPTIONS)})")
     args = types.SimpleNamespace(**opts)
+    if args.threads < 1:
+        fail(f'--threads must be >= 1, got {args.threads}')
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        fail(f'--device={args.device}: torch sees no CUDA device')
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        fail(f'--json={args.json}: folder {os.path.dirname(os.path.abspath(args.json))} does not exist')
     torch.set_num_threads(args.threads)
     warnings.filterwarnings('ignore', category=FutureWarning)  # transformers' deprecation notices, once per call site
     sz = SIZES['smoke' if args.smoke else 'quick' if args.quick else 'full']

@@ -231,6 +231,11 @@ def load_config(argv, defaults=config):
         fail(f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)")
     if dev.type not in ('cpu', 'cuda'):
         fail(f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)")
+    if cfg['clip_low'] >= 1:  # the ratio's lower bound 1 - clip_low would be <= 0
+        fail(f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}")
+    if cfg['resume'] and cfg['overwrite']:
+        fail("--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one")
+    cfg['out_dir'] = os.path.expanduser(cfg['out_dir'])
     for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
                          ('dtype', ('float32', 'bfloat16'))]:
         if cfg[key] not in allowed:

@@ -79,6 +79,8 @@ class Trajectory:
 
 def start_episode(env, task, fmt, group):
     text = env.reset(task)
+    if not isinstance(text, str):
+        raise GymContractError(f"{type(env).__name__}.reset returned {type(text).__name__}, not the prompt text (str)")
     ids, owner = fmt.prompt(text)
     hist = dict(ids=list(ids), owner=list(owner), turn=[-1] * len(ids), logp=[0.0] * len(ids), mem=[0] * len(ids))
     return Episode(env, task, group, (list(ids), list(owner)), hist, texts=[text])

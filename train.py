@@ -385,6 +385,8 @@ def check_out_dir(cfg, state):
     checkpoint or None. Runs before the gym's set-up, so a refusal costs no time."""
     old = glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt'))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
+    if state is not None and state['step'] > cfg['steps']:
+        fail(f"--resume=True: the newest checkpoint is at step {state['step']}, past steps={cfg['steps']}")
     if cfg['resume'] and state is None and old:  # never delete what could not be read
         fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
              f"move them away or run without --resume")
@@ -496,6 +498,9 @@ def init_run(cfg):
               f"({time.time() - t0:.0f}s); policy {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters"
               + (f" ({sum(p.numel() for p in model.parameters() if p.requires_grad):,} trained: LoRA rank "
                  f"{cfg['lora_rank']})" if cfg['lora_rank'] else '') + f"; {world_size()} process(es)")
+        if cfg['kl_type'] == 'k1' and cfg['kl_coef']:
+            print("warning: kl_type=k1 as a loss has zero gradient in expectation: the KL term holds nothing "
+                  "back (use k2 or k3)", file=sys.stderr)
         if cfg['group_size'] == 1:
             print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
                   "and RL learns only from the memory advantage and the KL term", file=sys.stderr)

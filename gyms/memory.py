@@ -395,6 +395,8 @@ def setup(cfg, vocab=None):
     the checkpoint's `vocab`); any other model: its tokenizer and chat template (hf.chat_format, which
     raises ValueError naming what the model lacks)."""
     k = cfg["max_objectives"]
+    if k < 1:
+        raise ValueError(f"config key 'max_objectives' must be >= 1, got {k}")
     train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"], n_objectives=(1, k))
     eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"], n_objectives=(1, k + 1))
     if cfg["model"] == "tiny":

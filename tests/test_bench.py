@@ -43,6 +43,14 @@ def test_nocache_baseline_matches_kv_cache_greedy_on_tiny_qwen3():
     assert bench.generate_nocache(model, contexts, 6, temperature=0.0, pad_id=151643) == ours
 
 
+@pytest.mark.parametrize('args, needle', [(['--threads=0'], '--threads must be >= 1, got 0'),
+                                           (['--json=/nonexistent/x.json'], 'folder /nonexistent does not exist')])
+def test_bad_options_stop_before_any_benchmark(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     rows = run_smoke(tmp_path, 'tiny,hf,ppo,mem')
     check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',

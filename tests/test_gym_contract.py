@@ -187,6 +187,14 @@ def test_a_broken_gym_file_stops_only_its_own_gym(tmp_path, monkeypatch, capsys)
         assert err.count('\n') == 1 and needle in err, err
 
 
+def test_reset_must_return_the_prompt_text():
+    class NoPrompt:
+        def reset(self, task):
+            return None
+    with pytest.raises(gym.GymContractError, match='NoPrompt.reset returned NoneType, not the prompt text'):
+        rollout_batch([lambda ep: 'x'], word_format(build_tokenizer(['x'])), [NoPrompt()], [0], dict(config, max_turns=2))
+
+
 def test_a_gym_whose_step_breaks_in_every_episode_stops_with_one_line(tmp_path, monkeypatch, capsys):
     """A forked gym whose step returns 3 values (or raises) in every episode used to train 'successfully'
     on invalid episodes with success 0; now the warm start stops with the first episode's error."""

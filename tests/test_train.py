@@ -118,9 +118,13 @@ def test_ctrl_c_prints_one_line_and_keeps_the_files(tmp_path):
 
 
 def test_group_size_one_warns(tmp_path):
-    p = train(tmp_path, '--steps=1', '--group_size=1')
+    p = train(tmp_path, '--steps=1', '--group_size=1', '--kl_type=k1', '--kl_coef=0.1')
     assert 'warning: group_size=1: a group of one is its own baseline' in p.stderr
-    assert 'warning: group_size' not in train(tmp_path / 'g2', '--steps=1').stderr
+    assert 'warning: kl_type=k1 as a loss has zero gradient in expectation' in p.stderr
+    p = train(tmp_path / 'g2', '--steps=1')
+    assert 'warning: group_size' not in p.stderr and 'warning: kl_type' not in p.stderr
+    p = train(tmp_path / 'g2', '--steps=0', '--resume=True', check=False)  # its checkpoint is at step 1
+    assert p.returncode == 2 and p.stderr.strip().endswith('the newest checkpoint is at step 1, past steps=0')
 
 
 def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
