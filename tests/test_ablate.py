@@ -189,7 +189,7 @@ def test_mean_se():
 def test_main_dry_run_runs_the_main_config_once_per_seed(tmp_path, capsys):
     ablate.main(['--main', f'--out={tmp_path}', '--seeds=1,2', '--dry_run', '--steps=2'])
     cmds = capsys.readouterr().out.strip().splitlines()
-    assert len(cmds) == 2 and all(c.startswith('train.py config/tiny.yaml --seed=') and '--steps=2' in c for c in cmds)
+    assert len(cmds) == 2 and all(c.startswith('python train.py config/tiny.yaml --seed=') and '--steps=2' in c for c in cmds)
 
 
 def test_dry_run_stops_on_a_key_the_gym_ignores(tmp_path, capsys):
