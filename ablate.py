@@ -57,6 +57,7 @@ VARIANTS = {  # name -> overrides on top of the config file
 MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
 METRICS = ('em', 'f1', 'mem_quality', 'tt', 'pt')
+DIAGNOSIS = ('mem_reward_quality_corr', 'mem_adv_abs_mean', 'outcome_adv_abs_mean')  # per RL step, MemPO runs (issue #16)
 MAIN_COLUMNS = {  # --main: table column -> a run's number (run_numbers)
     'validation': 'eval_val_success', 'held-out': 'eval_success_rate', 'held-out greedy': 'eval_greedy_success',
     'train (last 10 steps)': 'train_success_last10', 'wall (min)': 'wall_min'}
@@ -124,6 +125,12 @@ def run_numbers(out_dir):
     if rows:
         out['train_success_last10'] = mean_std([r['success_rate'] for r in rows[-10:]])[0]
         out['rl_min'] = sum(r.get('step_time_s', 0.0) for r in rows) / 60  # RL steps only, evaluations excluded
+    for key in DIAGNOSIS:  # MemPO's runs: the mean over RL steps of what each step logged
+        vals = [r[key] for r in rows if key in r]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    if rows and all('mem_reward_time_s' in r for r in rows):
+        out['mem_reward_share'] = sum(r['mem_reward_time_s'] for r in rows) / sum(r['step_time_s'] for r in rows)
     if os.path.exists(os.path.join(out_dir, WALL)):
         out['wall_min'] = json.load(open(os.path.join(out_dir, WALL)))['wall_s'] / 60
     return out
@@ -175,7 +182,8 @@ def mean_se(xs):
 def k_columns(ks):
     """The MemPO table's numbers: {f'{metric}_k{k}': f'eval_{metric}_k{k}'} for every k and METRICS,
     and the RL phase's minutes (rl_min)."""
-    return dict({f'{m}_k{k}': f'eval_{m}_k{k}' for k in ks for m in METRICS}, rl_min='rl_min')
+    return dict({f'{m}_k{k}': f'eval_{m}_k{k}' for k in ks for m in METRICS}, rl_min='rl_min',
+                mem_reward_share='mem_reward_share', **{k: k for k in DIAGNOSIS})
 
 
 def curves(results, stat=mean_se):
@@ -222,6 +230,12 @@ def markdown_table(agg, ks, curve=None):
               '; '.join(f"{v} {fmt(a['rl_min'], 1)}" for v, a in agg.items())]
     if 'mempo' in agg and 'grpo_fold' in agg and agg['grpo_fold']['rl_min'][0] > 0:
         lines.append(f"MemPO / grpo_fold RL time = {agg['mempo']['rl_min'][0] / agg['grpo_fold']['rl_min'][0]:.2f}x")
+    for variant, a in agg.items():  # does the memory reward track memory quality, and how loud is it?
+        if a['mem_adv_abs_mean'][0] == a['mem_adv_abs_mean'][0]:
+            lines.append(f"{variant} per RL step (mean over steps; ± over seeds): memory reward vs memory quality "
+                         f"correlation {fmt(a['mem_reward_quality_corr'], 3)}; |memory advantage| on <mem> tokens "
+                         f"{fmt(a['mem_adv_abs_mean'], 2)} against |outcome advantage| {fmt(a['outcome_adv_abs_mean'], 2)}; "
+                         f"memory rewards' share of the step time {fmt(a['mem_reward_share'], 2)}")
     for variant, points in (curve or {}).items():
         lines.append(f'held-out EM by RL step, {variant}: ' + ', '.join(f'{st}: {fmt(ms, 3)}' for st, ms in points.items()))
     if 'mempo' in agg and 'grpo_full' in agg:

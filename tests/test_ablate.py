@@ -14,7 +14,9 @@ def _write_run(tmp_path, variant, seed, em_k2, pt_k4, extra=()):
     cfg = ablate.run_config('config/tiny_mem.yaml', variant, seed, str(d), list(extra))[1]
     steps = cfg['steps']
     rows = [dict(step=0, eval_em=0.0, eval_em_k2=0.0, eval_pt_k4=1.0),
-            dict(step=steps, loss=0.1, success_rate=0.5, step_time_s=60.0 * (2 if variant == 'mempo' else 1)),  # not an eval line
+            dict(step=steps, loss=0.1, success_rate=0.5, step_time_s=60.0 * (2 if variant == 'mempo' else 1),  # not an eval line
+                 **(dict(mem_reward_time_s=15.0, mem_reward_quality_corr=em_k2 - 0.5, mem_adv_abs_mean=0.7,
+                         outcome_adv_abs_mean=0.6) if variant == 'mempo' else {})),
             dict(step=steps, eval_em=0.5 + em_k2 / 10, eval_mem_quality_k2=em_k2, eval_em_k1=1.0, eval_f1_k1=1.0, eval_tt_k1=10.0, eval_pt_k1=5.0,
                  eval_em_k2=em_k2, eval_f1_k2=em_k2, eval_tt_k2=20.0, eval_pt_k2=6.0,
                  eval_em_k4=0.25, eval_f1_k4=0.25, eval_tt_k4=40.0, eval_pt_k4=pt_k4)]
@@ -67,6 +69,11 @@ def test_table_has_memory_quality_rl_time_and_learning_curve(tmp_path, capsys):
     assert 'RL phase (minutes in RL steps, evaluations excluded): mempo 2.0; grpo_fold 1.0' in out
     assert 'MemPO / grpo_fold RL time = 2.00x' in out and agg['mempo']['rl_min'] == (2.0, 0.0)
     assert 'held-out EM by RL step, mempo: 0: 0.000, 50: 0.575 ± 0.025' in out  # eval_em 0.55 and 0.6
+    # MemPO's per-step diagnosis (issue #16): correlation 0 and 0.5 over the seeds; 15 s of a 120 s step
+    assert ('mempo per RL step (mean over steps; ± over seeds): memory reward vs memory quality correlation '
+            '0.250 ± 0.250; |memory advantage| on <mem> tokens 0.70 against |outcome advantage| 0.60; '
+            "memory rewards' share of the step time 0.12") in out
+    assert 'grpo_fold per RL step' not in out  # no memory rewards, no line
     saved = json.loads((tmp_path / 'ablation.json').read_text())
     assert saved['runs']['mempo'][1]['curve'] == {'0': 0.0, '50': 0.6}
 
