@@ -160,7 +160,9 @@ def is_finished(out_dir, cfg):
         saved = json.load(open(cfg_path))
     except ValueError:
         return False
-    same = all(saved.get(k) == v for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite'))
+    # out_dir is where the run lies, not how it ran: '/abs/out/x' and 'out/x' are one finished run (a
+    # mismatch here would rerun it with --overwrite, deleting its checkpoints)
+    same = all(saved.get(k) == v for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite', 'out_dir'))
     return same and last['step'] == cfg['steps']
 
 

@@ -231,3 +231,18 @@ def test_keys_that_would_undo_a_variant_or_a_seed_stop_with_one_line(args, needl
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and err.count('\n') == 1
     assert ablate.parse_args(['--main', '--keep_tool_results=2'])[1] == ['--keep_tool_results=2']  # --main: a plain key
+
+
+def test_a_finished_run_named_by_another_path_is_not_run_again(tmp_path, monkeypatch, capsys):
+    """--out as an absolute path, or with ./, names the same finished runs: none is started (each would
+    rerun with --overwrite and lose its checkpoints)."""
+    for v in ablate.VARIANTS:
+        _write_run(tmp_path, v, 1, 0.75, 60.0)
+    monkeypatch.setattr(ablate.subprocess, 'run', lambda *a, **k: pytest.fail(f'started {a}'))
+    config = os.path.abspath('config/tiny_mem.yaml')
+    monkeypatch.chdir(tmp_path.parent)
+    for out in (str(tmp_path), f'./{tmp_path.name}', f'{tmp_path.name}/'):
+        assert ablate.main([f'--out={out}', '--seeds=1', f'--config={config}'])['mempo']['em_k2'][0] == 0.75
+    monkeypatch.chdir(os.path.dirname(config) + '/..')
+    assert not ablate.is_finished(str(tmp_path / 'mempo_s1'), dict(ablate.run_config(
+        'config/tiny_mem.yaml', 'mempo', 1, str(tmp_path / 'mempo_s1'), ['--steps=7'])[1]))  # other options: not finished
