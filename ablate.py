@@ -250,6 +250,23 @@ def markdown_table(agg, ks, curve=None):
     return '\n'.join(lines)
 
 
+def paired_lines(results, ks, a='mempo', b='grpo_fold'):
+    """EM of variant a minus variant b per k, seed by seed (the two share each seed's warm start and
+    held-out worlds), as mean ± standard error over the seeds both finished: the comparison issue #16
+    asks for. [] when either variant is missing."""
+    if a not in results or b not in results:
+        return []
+    out = []
+    for k in ks:
+        key = f'eval_em_k{k}'
+        diffs = [ra[key] - rb[key] for ra, rb in zip(results[a], results[b]) if key in ra and key in rb]
+        if diffs:
+            m, se = mean_se(diffs)
+            out.append(f"k={k}: {a} - {b} EM, paired by seed: {fmt((m, se), 3)}"
+                       + (f" ({m / se:+.1f} standard errors)" if se == se and se > 0 else ''))
+    return out
+
+
 def main_table(agg, config):
     """--main: one row, mean ± standard error over seeds of MAIN_COLUMNS (success in [0, 1], wall time in minutes)."""
     a = agg['main']
@@ -310,7 +327,7 @@ def main(argv):
         table = main_table(agg, opts['config'])
     else:
         agg = aggregate(results, k_columns(opts['ks']), mean_se)
-        table = markdown_table(agg, opts['ks'], curves(results))
+        table = '\n'.join([markdown_table(agg, opts['ks'], curves(results)), ''] + paired_lines(results, opts['ks']))
     print(table)
     os.makedirs(opts['out'], exist_ok=True)
     path = os.path.join(opts['out'], 'ablation.json')

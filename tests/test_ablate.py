@@ -74,6 +74,9 @@ def test_table_has_memory_quality_rl_time_and_learning_curve(tmp_path, capsys):
             '0.250 ± 0.250; |memory advantage| on <mem> tokens 0.70 against |outcome advantage| 0.60; '
             "memory rewards' share of the step time 0.12") in out
     assert 'grpo_fold per RL step' not in out  # no memory rewards, no line
+    assert 'k=2: mempo - grpo_fold EM, paired by seed: 0.000' in out  # both variants wrote the same EM per seed
+    runs = {'mempo': [dict(eval_em_k2=0.5), dict(eval_em_k2=0.9)], 'grpo_fold': [dict(eval_em_k2=0.4), dict(eval_em_k2=0.6)]}
+    assert ablate.paired_lines(runs, [2, 4]) == ['k=2: mempo - grpo_fold EM, paired by seed: 0.200 ± 0.100 (+2.0 standard errors)']
     saved = json.loads((tmp_path / 'ablation.json').read_text())
     assert saved['runs']['mempo'][1]['curve'] == {'0': 0.0, '50': 0.6}
 
