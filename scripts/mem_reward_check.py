@@ -32,10 +32,11 @@ def pearson(a, b):
 
 
 def probe(model, gym_, cfg, trajs):
-    """{turns, lossy, P_mem, P_full, corr_mem, corr_full, corr_reward} of memory-gym trajectories:
-    over the turns that memory_rewards scores and whose quality is defined, the mean P's and the Pearson
-    correlations of P_mem, P_full and the reward P_mem - P_full with the quality; lossy counts turns
-    of quality < 1. turns is 0 (and nothing else is given) when no such turn exists."""
+    """{turns, lossy, P_mem, P_full, reward_std, corr_mem, corr_full, corr_reward} of memory-gym
+    trajectories: over the turns that memory_rewards scores and whose quality is defined, the mean P's,
+    the standard deviation of the reward P_mem - P_full, and the Pearson correlations of P_mem, P_full
+    and the reward with the quality; lossy counts turns of quality < 1. turns is 0 (and nothing else
+    is given) when no such turn exists."""
     probs, originals = {}, {name: getattr(rollout, name) for name in ('answer_probs', 'full_answer_probs')}
     for name, f in originals.items():  # record the two P's memory_rewards computes, exactly as training does
         def spy(*args, _f=f, _name=name):
@@ -55,8 +56,10 @@ def probe(model, gym_, cfg, trajs):
     if not rows:  # an untrained policy finds no fact, so no memory has a defined quality
         return dict(turns=0)
     pm, pf, q = zip(*rows)
+    r = torch.tensor([a - b for a, b in zip(pm, pf)], dtype=torch.float64)
     return dict(turns=len(rows), lossy=sum(x < 1 for x in q), P_mem=sum(pm) / len(pm), P_full=sum(pf) / len(pf),
-                corr_mem=pearson(pm, q), corr_full=pearson(pf, q), corr_reward=pearson([a - b for a, b in zip(pm, pf)], q))
+                reward_std=float(r.std()) if len(rows) > 1 else 0.0,
+                corr_mem=pearson(pm, q), corr_full=pearson(pf, q), corr_reward=pearson(r.tolist(), q))
 
 
 def check(out_dir, n_tasks=64):
@@ -96,7 +99,7 @@ if __name__ == '__main__':
         r = check(out_dir)
         if r['turns']:
             print(f"{out_dir} (step {r['step']}): sampled, {r['turns']} turns, {r['lossy']} with quality < 1; mean "
-                  f"P_mem {r['P_mem']:.3f}, P_full {r['P_full']:.3f}; correlation with quality: P_mem "
+                  f"P_mem {r['P_mem']:.3f}, P_full {r['P_full']:.3f}, reward std {r['reward_std']:.3f}; correlation with quality: P_mem "
                   f"{r['corr_mem']:+.2f}, P_full {r['corr_full']:+.2f}, P_mem - P_full {r['corr_reward']:+.2f}")
         else:
             print(f"{out_dir} (step {r['step']}): sampled, no scored turn has a defined memory quality (no fact found yet)")
