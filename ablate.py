@@ -95,6 +95,8 @@ def parse_args(argv):
         owned.update(mem_coef="the variants set it; MemPO's value comes from --config's file",
                      keep_tool_results='the variants set it')
     for a in passthrough:  # a passed-through key that ablate sets itself would silently undo a variant or a seed
+        if not a.startswith('--'):  # a YAML file could set any of them unseen
+            fail(f"{a}: ablate.py takes one config file, as --config={a}; other arguments are --key=value")
         key = a[2:].split('=', 1)[0]
         if key in owned:
             fail(f"--{key} cannot be passed through: ablate.py sets it for each run ({owned[key]})")

@@ -77,10 +77,16 @@ class Trajectory:
     prompt_len: int
 
 
-def start_episode(env, task, fmt, group):
+def reset_text(env, task):
+    """env.reset(task): the prompt text. Raises GymContractError when it is not a str."""
     text = env.reset(task)
     if not isinstance(text, str):
         raise GymContractError(f"{type(env).__name__}.reset returned {type(text).__name__}, not the prompt text (str)")
+    return text
+
+
+def start_episode(env, task, fmt, group):
+    text = reset_text(env, task)
     ids, owner = fmt.prompt(text)
     hist = dict(ids=list(ids), owner=list(owner), turn=[-1] * len(ids), logp=[0.0] * len(ids), mem=[0] * len(ids))
     return Episode(env, task, group, (list(ids), list(owner)), hist, texts=[text])
@@ -388,7 +394,7 @@ def check_prompts_fit(gym_, cfg):
     eval_tasks (train.py's gym). Resets a fresh make_env() per task and encodes every prompt (cheap:
     16096 tasks take 0.1 s). Returns the longest first context in tokens."""
     fmt, tasks = gym_['fmt'], list(gym_['train_tasks']) + list(gym_['eval_tasks'])
-    longest = max((len(fmt.prompt(gym_['make_env']().reset(t))[0]) for t in tasks), default=0) + len(fmt.turn_prefix)
+    longest = max((len(fmt.prompt(reset_text(gym_['make_env'](), t))[0]) for t in tasks), default=0) + len(fmt.turn_prefix)
     if longest + cfg['max_response_tokens'] > cfg['max_len']:
         raise ValueError(f"max_len={cfg['max_len']} is too short: the longest prompt is {longest} tokens and a "
                          f"turn needs max_response_tokens={cfg['max_response_tokens']} more")

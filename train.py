@@ -301,6 +301,7 @@ def evaluate(model, gym_, cfg, step):
             per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
             trajs = [t for i in range(0, len(tasks), per_batch)
                      for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
+            check_invalid(trajs, 'evaluation')
             eps = gather([report.summarise(t) for t in trajs])
             out[key] = report.episode_metrics(eps)['success_rate']
             if key == 'eval_sampled_success':
@@ -440,8 +441,11 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         fail(f'{path} does not fit this config: {"; ".join(changed) or lines[min(1, len(lines) - 1)]}')
     ref_model = reference_of(model) if cfg['kl_coef'] else None
-    if ref_model is not None and ref_model is not model:
-        ref_model.load_state_dict(state['ref_model'])
+    if ref_model is not None and ref_model is not model and state.get('ref_model') is None and state['step'] > 0:
+        fail(f"{path} has no KL reference (its run had kl_coef 0): resume with kl_coef 0, or from its "
+             f"ckpt_000000 (whose weights are the reference a fresh run would take)")
+    if ref_model is not None and ref_model is not model and state.get('ref_model') is not None:
+        ref_model.load_state_dict(state['ref_model'])  # at step 0 without one: the loaded, warm-started weights
     rng.setstate(state['rng']['python'])
     torch.set_rng_state(state['rng']['torch'])
     gen.set_state(state['rng']['gen'][min(rank(), len(state['rng']['gen']) - 1)])
@@ -491,7 +495,7 @@ def init_run(cfg):
     try:
         check_prompts_fit(gym_, cfg)
         model = load_policy(cfg, gym_['tok'].vocab_size)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # GymContractError too: a reset that returns no text
         fail(str(e).splitlines()[0])
     if rank() == 0:
         print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks "

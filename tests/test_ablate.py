@@ -25,9 +25,9 @@ def _write_run(tmp_path, variant, seed, em_k2, pt_k4, extra=()):
 
 
 def test_parse_args_splits_own_flags_from_train_overrides():
-    opts, rest = ablate.parse_args(['--quick', '--out=/x', '--steps=3', 'config/other.yaml'])
+    opts, rest = ablate.parse_args(['--quick', '--out=/x', '--steps=3', '--config=config/other.yaml'])
     assert opts['quick'] and opts['out'] == '/x' and opts['seeds'] == [1] and opts['ks'] == [1, 2, 4, 5]
-    assert rest == ['--steps=3', 'config/other.yaml']
+    assert rest == ['--steps=3'] and opts['config'] == 'config/other.yaml'
     assert ablate.parse_args(['--seeds=4,5'])[0]['seeds'] == [4, 5]
     assert ablate.parse_args(['--rerun=false', '--dry_run=true'])[0]['rerun'] is False
     assert ablate.parse_args(['--rerun=false', '--dry_run=true'])[0]['dry_run'] is True
@@ -225,6 +225,7 @@ def test_bad_flags_exit_with_one_line(arg, capsys):
     (['--seed=7'], '--seed cannot be passed through: ablate.py sets it for each run (use --seeds)'),
     (['--out_dir=x'], '--out_dir cannot be passed through: ablate.py sets it for each run (use --out)'),
     (['--config=config/smoke.yaml'], 'config/smoke.yaml: mem_coef is 0, so the mempo variant would be grpo_fold'),
+    (['config/tiny_mem.yaml'], 'config/tiny_mem.yaml: ablate.py takes one config file, as --config=config/tiny_mem.yaml'),
 ])
 def test_keys_that_would_undo_a_variant_or_a_seed_stop_with_one_line(args, needle, capsys, tmp_path):
     """A passed-through key that ablate sets itself (the variants' keys, the seed, the out_dir) would make

@@ -226,3 +226,13 @@ def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, 
     assert 'episodes invalid' in err and "the first: reward None is not a finite number" in err
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
     assert all(r['invalid_episodes'] > 0 for r in rows if r['step'] > 0)
+
+
+def test_a_reset_without_text_stops_before_the_warm_start(tmp_path, monkeypatch, capsys):
+    import gyms.example as ex
+    import train
+    monkeypatch.setattr(ex.GuessEnv, 'reset', lambda self, task: None)
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == 'error: GuessEnv.reset returned NoneType, not the prompt text (str)\n'

@@ -298,3 +298,28 @@ def test_evaluation_rolls_out_a_bounded_number_of_episodes_at_once(monkeypatch):
     assert max(sizes) <= 3 and sum(sizes) == 30
     assert batched['eval_greedy_success'] == whole['eval_greedy_success']
     assert {k for k in batched} == {k for k in whole}
+
+
+def test_resume_adding_a_kl_term(tmp_path):
+    """From ckpt_000000 of a run without a KL term, --kl_coef>0 takes the loaded (warm-started) weights as
+    the reference, as a fresh run would; from a later checkpoint it is one line (no reference saved)."""
+    train(tmp_path, '--steps=0', '--kl_coef=0')
+    p = train(tmp_path, '--steps=1', '--kl_coef=0.1', '--resume=True')
+    assert 'resumed from' in p.stdout and metrics(tmp_path)[-1]['kl'] == 0.0  # first step: policy == reference
+    p = train(tmp_path, '--steps=1', '--kl_coef=0', '--out_dir=' + str(tmp_path / 'b'))
+    p = train(tmp_path / 'b', '--steps=2', '--kl_coef=0.1', '--resume=True', check=False)
+    assert p.returncode == 2 and 'has no KL reference (its run had kl_coef 0)' in p.stderr
+
+
+def test_an_evaluation_where_every_episode_is_invalid_stops(capsys):
+    import train
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=20', '--eval_tasks=4', '--device=cpu', '--n_embd=32'])
+    gym_ = load_gym(cfg, None, config)
+    model = load_policy(cfg, gym_['tok'].vocab_size).eval()
+
+    class Broken(gm.MemoryEnv):
+        def step(self, action_text, finish='stop'):
+            raise RuntimeError('tool down')
+    with pytest.raises(SystemExit) as e:
+        train.evaluate(model, dict(gym_, make_env=Broken), cfg, 0)
+    assert e.value.code == 2 and 'evaluation: every episode is invalid; the first: RuntimeError: tool down' in capsys.readouterr().err
