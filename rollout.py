@@ -122,7 +122,7 @@ def finish(ep, reward, info, stop=None):
     try:
         ep.reward = float(reward)
     except (TypeError, ValueError):
-        ep.reward, ep.valid = float('nan'), False
+        ep.reward = math.nan
     if not math.isfinite(ep.reward):  # a NaN reward would poison its group's mean and std
         ep.info.setdefault('error', f'reward {reward!r} is not a finite number')
         ep.reward, ep.valid = 0.0, False
@@ -473,21 +473,10 @@ def answer_pieces(fmt, answer_text, open_tag='<answer>', close_tag='</answer>'):
 
 
 @torch.no_grad()
-def memory_rewards(model, trajs, fmt, answers, cfg):
-    """MemPO's memory reward (arXiv 2603.00680, §3) for every turn t >= 2:
-    mem_reward_t = P_mem_t - P_full_t, with P = exp(mean log p(gold answer tokens | context)),
-      P_full_t: context = the full un-folded history before turn t, then turn t's <mem> span;
-      P_mem_t:  context = the prompt, then turn t's <mem> span.
-    Both end with the same memory span, so the answer sits where the policy would write it, and the
-    difference is what the dropped history still knew that the memory did not carry. No gradient.
-    Every P_full context is a prefix of its episode's history (turn t's <mem> follows its forced
-    prefix there), so each history is run once and the answers of all its turns are scored on its
-    KV cache (full_answer_probs); the P_mem contexts are short and run as plain rows (answer_probs).
-    answers: the gold answer text per trajectory. Returns (mem_rewards [N, K], turn_valid [N, K]);
-    turns without a closed memory span or whose full context exceeds max_len are not valid."""
-    K = max(len(t.turns) for t in trajs)
-    mem_r = torch.zeros(len(trajs), K)
-    valid = torch.zeros(len(trajs), K, dtype=torch.bool)
+def memory_probs(model, trajs, fmt, answers, cfg):
+    """(where, P_full [M], P_mem [M]) of the M turns memory_rewards scores: where lists their (episode n,
+    turn k); see memory_rewards for the two contexts. For diagnosis (scripts/mem_reward_check.py)
+    and for memory_rewards."""
     hists, full, short, where = [t.ids.tolist() for t in trajs], [], [], []
     for n, t in enumerate(trajs):
         ans_ids, ans_mask = answer_pieces(fmt, answers[n])
@@ -503,11 +492,31 @@ def memory_rewards(model, trajs, fmt, answers, cfg):
             full.append((n, end, ans_ids, ans_mask))
             short.append((hists[n][:t.prompt_len] + hists[n][start:end], ans_ids, ans_mask))
             where.append((n, k))
-    if where:
-        p_full, p_mem = full_answer_probs(model, hists, full, fmt, cfg), answer_probs(model, short, fmt, cfg)
-        for (n, k), pf, pm in zip(where, p_full.tolist(), p_mem.tolist()):
-            mem_r[n, k] = pm - pf
-            valid[n, k] = True
+    if not where:
+        return where, torch.zeros(0), torch.zeros(0)
+    return where, full_answer_probs(model, hists, full, fmt, cfg), answer_probs(model, short, fmt, cfg)
+
+
+@torch.no_grad()
+def memory_rewards(model, trajs, fmt, answers, cfg):
+    """MemPO's memory reward (arXiv 2603.00680, §3) for every turn t >= 2:
+    mem_reward_t = P_mem_t - P_full_t, with P = exp(mean log p(gold answer tokens | context)),
+      P_full_t: context = the full un-folded history before turn t, then turn t's <mem> span;
+      P_mem_t:  context = the prompt, then turn t's <mem> span.
+    Both end with the same memory span, so the answer sits where the policy would write it, and the
+    difference is what the dropped history still knew that the memory did not carry. No gradient.
+    Every P_full context is a prefix of its episode's history (turn t's <mem> follows its forced
+    prefix there), so each history is run once and the answers of all its turns are scored on its
+    KV cache (full_answer_probs); the P_mem contexts are short and run as plain rows (answer_probs).
+    answers: the gold answer text per trajectory. Returns (mem_rewards [N, K], turn_valid [N, K]);
+    turns without a closed memory span or whose full context exceeds max_len are not valid."""
+    K = max(len(t.turns) for t in trajs)
+    mem_r = torch.zeros(len(trajs), K)
+    valid = torch.zeros(len(trajs), K, dtype=torch.bool)
+    where, p_full, p_mem = memory_probs(model, trajs, fmt, answers, cfg)
+    for (n, k), pf, pm in zip(where, p_full.tolist(), p_mem.tolist()):
+        mem_r[n, k] = pm - pf
+        valid[n, k] = True
     return mem_r, valid
 
 

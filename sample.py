@@ -249,11 +249,13 @@ def load_run(rest, untrained=False):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
     the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
     with `rest` on top, or, with untrained=True, the policy cfg['model'] as train.py would build it
-    before training (from out_dir/config.json when the run wrote one, with `rest` on top). Exits 2 when there is no checkpoint that loads and untrained is False. A CUDA
-    config falls back to the CPU without a GPU."""
+    before training (from out_dir/config.json when the run wrote one, with `rest` on top). Exits 2
+    when there is no checkpoint that loads and untrained is False. A CUDA config falls back to the
+    CPU without a GPU."""
     cfg = load_config(rest)
     saved = os.path.join(cfg['out_dir'], 'config.json')
-    if untrained and os.path.isfile(saved):  # the run's gym and model, before its training
+    from_run = untrained and os.path.isfile(saved)
+    if from_run:  # the run's gym and model, before its training
         cfg = load_config(rest, dict(config, **json.load(open(saved))))
     state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'])
     if state is None and not untrained and glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')):
@@ -276,7 +278,7 @@ def load_run(rest, untrained=False):
     if state is not None:
         model.load_state_dict(state['model'])
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
-        f"untrained {cfg['model']} (--untrained{', the config of ' + saved if untrained and os.path.isfile(saved) else ''})"
+        f"untrained {cfg['model']} (--untrained{', the config of ' + saved if from_run else ''})"
     print(f'policy: {policy}')
     return cfg, gym_, model, policy
 

@@ -441,11 +441,12 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         fail(f'{path} does not fit this config: {"; ".join(changed) or lines[min(1, len(lines) - 1)]}')
     ref_model = reference_of(model) if cfg['kl_coef'] else None
-    if ref_model is not None and ref_model is not model and state.get('ref_model') is None and state['step'] > 0:
-        fail(f"{path} has no KL reference (its run had kl_coef 0): resume with kl_coef 0, or from its "
-             f"ckpt_000000 (whose weights are the reference a fresh run would take)")
-    if ref_model is not None and ref_model is not model and state.get('ref_model') is not None:
-        ref_model.load_state_dict(state['ref_model'])  # at step 0 without one: the loaded, warm-started weights
+    if ref_model is not None and ref_model is not model:  # a copy of its own (LoRA's is the base weights)
+        if state.get('ref_model') is not None:
+            ref_model.load_state_dict(state['ref_model'])
+        elif state['step'] > 0:  # at step 0 the loaded, warm-started weights are the reference a fresh run takes
+            fail(f"{path} has no KL reference (its run had kl_coef 0): resume with kl_coef 0, or from its "
+                 f"ckpt_000000 (whose weights are the reference a fresh run would take)")
     rng.setstate(state['rng']['python'])
     torch.set_rng_state(state['rng']['torch'])
     gen.set_state(state['rng']['gen'][min(rank(), len(state['rng']['gen']) - 1)])

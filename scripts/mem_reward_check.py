@@ -37,22 +37,13 @@ def probe(model, gym_, cfg, trajs):
     the standard deviation of the reward P_mem - P_full, and the Pearson correlations of P_mem, P_full
     and the reward with the quality; lossy counts turns of quality < 1. turns is 0 (and nothing else
     is given) when no such turn exists."""
-    probs, originals = {}, {name: getattr(rollout, name) for name in ('answer_probs', 'full_answer_probs')}
-    for name, f in originals.items():  # record the two P's memory_rewards computes, exactly as training does
-        def spy(*args, _f=f, _name=name):
-            probs[_name] = _f(*args)
-            return probs[_name]
-        setattr(rollout, name, spy)
-    try:
-        _, valid = rollout.memory_rewards(model, trajs, gym_['fmt'], [gym_['answer_text'](t.task) for t in trajs], cfg)
-    finally:
-        for name, f in originals.items():
-            setattr(rollout, name, f)
+    answers = [gym_['answer_text'](t.task) for t in trajs]
+    where, p_full, p_mem = rollout.memory_probs(model, trajs, gym_['fmt'], answers, cfg)  # as training scores them
     rows = []
-    for i, (n, k) in enumerate(valid.nonzero().tolist()):
+    for (n, k), pf, pm in zip(where, p_full.tolist(), p_mem.tolist()):
         q = trajs[n].info.get('mem_quality_turns', [])
         if k < len(q) and q[k] is not None:
-            rows.append((float(probs['answer_probs'][i]), float(probs['full_answer_probs'][i]), q[k]))
+            rows.append((pm, pf, q[k]))
     if not rows:  # an untrained policy finds no fact, so no memory has a defined quality
         return dict(turns=0)
     pm, pf, q = zip(*rows)
