@@ -323,3 +323,23 @@ def test_an_evaluation_where_every_episode_is_invalid_stops(capsys):
     with pytest.raises(SystemExit) as e:
         train.evaluate(model, dict(gym_, make_env=Broken), cfg, 0)
     assert e.value.code == 2 and 'evaluation: every episode is invalid; the first: RuntimeError: tool down' in capsys.readouterr().err
+
+
+def test_format_metrics_count_malformed_turns_and_episodes():
+    """turn_format_ok = 1 - malformed turns / turns and format_ok = episodes ending well formed, from the
+    env's info through the rollout: the oracle scores 1 and 1; one malformed first turn per episode
+    (then the oracle) lowers the first by exactly one turn per episode and the second to 0."""
+    import report
+    from gyms import memory as gm
+    from rollout import run_tasks
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=20', '--eval_tasks=20', '--device=cpu', '--max_turns=12'])
+    g = load_gym(cfg)
+    tasks = g['train_tasks'][:20]
+    oracle = gm.folded_policy(gm.oracle_policy)
+    m = report.episode_metrics([report.summarise(t) for t in run_tasks([oracle] * len(tasks), g, cfg, tasks)])
+    assert m['turn_format_ok'] == 1.0 and m['format_ok'] == 1.0
+    junk_first = lambda ep: 'ada </mem>' if not ep.actions else oracle(ep)  # no <search> / <answer>: malformed
+    trajs = run_tasks([junk_first] * len(tasks), g, cfg, tasks)
+    turns = sum(t.info['n_turns'] for t in trajs)
+    m = report.episode_metrics([report.summarise(t) for t in trajs])
+    assert m['turn_format_ok'] == pytest.approx(1 - len(tasks) / turns) and m['format_ok'] == 0.0
