@@ -586,10 +586,19 @@ def scripted_actions(task, policy="oracle"):
 
 def setup(cfg, vocab=None):
     """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the
-    schemas of the four tools in the system turn of the policy's chat template. No warm start."""
+    schemas of the four tools in the system turn of the policy's chat template. The warm start imitates
+    the oracle (scripted_actions: read, the reference edits, test, submit) on training programs: it
+    teaches the tool calls, and the fixes of programs that are never evaluated."""
     tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
     eval_tasks = make_tasks("heldout")
     return dict(tok=tok, fmt=hf.chat_format(tok, tools=tool_schemas(), enable_thinking=cfg["enable_thinking"]),
                 train_tasks=make_tasks("train"), eval_tasks=eval_tasks[:cfg["eval_tasks"] or len(eval_tasks)],
-                make_env=lambda: QuixBugsEnv(max_turns=cfg["max_turns"]), baselines={}, warm_policy=None,
-                answer_text=None)
+                make_env=lambda: QuixBugsEnv(max_turns=cfg["max_turns"]), baselines={},
+                warm_policy=lambda rng: oracle_turn, answer_text=None)
+
+
+def oracle_turn(ep):
+    """The oracle's next tool call in a rollout episode (rollout.py's scripted policy); past the end of
+    its script (a turn cut at max_response_tokens does not end the episode) it submits again."""
+    actions = scripted_actions(ep.task)
+    return actions[min(len(ep.actions), len(actions) - 1)]

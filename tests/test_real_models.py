@@ -27,7 +27,8 @@ import hf
 import rollout
 import train
 from advantage import grpo_advantage, token_advantages
-from gym import OWNER
+from config import load_config
+from gym import OWNER, load_gym
 from gyms import quixbugs as gq, searchqa as gs
 from hf import chat_format
 from model import sequence_log_probs, tiny_qwen3
@@ -247,14 +248,15 @@ def test_reusable_cache_is_the_common_prefix():
 
 @pytest.mark.parametrize('enable_thinking', [True, False])
 def test_quixbugs_tool_calls_through_the_rollout_reproduce_the_template(tok, enable_thinking):
-    """An oracle's JSON tool calls in <tool_call>, through the rollout: the sandbox runs them (reward 1),
+    """The gym's warm-start oracle's JSON tool calls in <tool_call>, through the rollout: the sandbox runs them (reward 1),
     the tool schemas sit in the system turn, and the token-in/token-out sequence is the template's own
     rendering of the conversation. With thinking off the template drops its empty think blocks from
     history (not prefix-stable), so only the per-turn contexts can be compared, and they are what we train on."""
     task = next(t for t in gq.make_tasks('train') if t.name == 'gcd')
     texts = gq.scripted_actions(task, 'oracle')
     fmt, envs, _ = quixbugs_setup(tok, 1, enable_thinking)
-    scripted = [lambda ep: texts[len(ep.turns)]]  # the rollout appends <|im_end|> (fmt.end_turn)
+    warm_policy = load_gym(load_config(['config/tiny_qwen3_quixbugs.yaml']))['warm_policy']
+    scripted = [warm_policy(None)]  # the gym's warm start; the rollout appends <|im_end|> (fmt.end_turn)
     cfg = dict(CFG, max_turns=len(texts), max_response_tokens=400, max_len=4096)
     t = rollout_batch(scripted, fmt, envs, [task], cfg)[0]
     assert t.reward == 1.0 and t.info['stop'] == 'submit' and t.info['n_invalid'] == 0
