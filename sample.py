@@ -103,7 +103,10 @@ def _decoder(tok):
 
 
 def _task_id(task):
-    return task.get('id') if isinstance(task, dict) else getattr(task, 'id', None)
+    """A task's id, or the task itself when it is a plain number or string (the example gym's secret)."""
+    if isinstance(task, dict):
+        return task.get('id')
+    return getattr(task, 'id', task if isinstance(task, (int, str)) else None)
 
 
 def print_episode(traj, tok, file=None):

@@ -166,6 +166,14 @@ def test_print_episode_shows_mem(memory, capsys):
     assert out.count('  mem:    ') == len(oracle[0].turns) and 'stop answer' in out
 
 
+def test_task_id_of_every_kind_of_task(memory):
+    """The header of a printed episode names its task: an id attribute, a dict's 'id', or the task
+    itself when it is a plain number or string (the example gym's secret used to print 'task None')."""
+    _, _, _, oracle, _ = memory
+    assert sample._task_id(oracle[0].task) == oracle[0].task.id
+    assert sample._task_id({'id': 'q7'}) == 'q7' and sample._task_id(5) == 5 and sample._task_id(object()) is None
+
+
 def test_episode_advantages_map_rows_back_to_full_sequence(memory):
     """Folded episodes train one row per turn; the sampling log-probs, used as a stand-in advantage,
     must land back on exactly the positions that hold them in the full sequence."""
