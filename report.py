@@ -290,7 +290,8 @@ def progress(iterable, desc, cfg, status=None, initial=0, total=None, show=True)
 def print_eval(log, gym_):
     """One line of held-out numbers: step, train success (RL steps), held-out sampled and greedy
     success, the same on the validation split when the gym has one, the gym's reference baselines,
-    and for answer gyms EM per number of objectives k and the memory quality."""
+    and for answer gyms EM per number of objectives k, the memory quality and format validity
+    (episodes, turns: episode_metrics)."""
     tqdm.write(f"step {log['step']}: " + (f"train success {log['success_rate']:.3f}, " if 'success_rate' in log else '')
                + f"held-out success {log['eval_success_rate']:.3f} (greedy {log['eval_greedy_success']:.3f})"
                + (f", validation {log['eval_val_success']:.3f} (greedy {log['eval_val_greedy_success']:.3f})"
@@ -298,4 +299,6 @@ def print_eval(log, gym_):
                + ''.join(f', {k} {v:.3f}' for k, v in gym_['baselines'].items())
                + (', EM ' + ' '.join(f"k={k[len('eval_em_k'):]} {v:.3f}" for k, v in log.items() if k.startswith('eval_em_k'))
                   if any(k.startswith('eval_em_k') for k in log) else '')
-               + (f", memory quality {log['eval_mem_quality']:.3f}" if 'eval_mem_quality' in log else ''))
+               + (f", memory quality {log['eval_mem_quality']:.3f}" if 'eval_mem_quality' in log else '')
+               + (f", format ok {log['eval_format_ok']:.3f} (turns {log['eval_turn_format_ok']:.3f})"
+                  if 'eval_format_ok' in log else ''))

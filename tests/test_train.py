@@ -168,6 +168,7 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     last = rows[-1]
     assert [r['step'] for r in rows] == [0, 1, 2]
     assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
+    assert p.stdout.count(f", format ok {last['eval_format_ok']:.3f} (turns {last['eval_turn_format_ok']:.3f})") >= 1
     for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_reward_time_s', 'mem_tokens_mean',
                 'tt', 'pt', 'em', 'f1'):
         assert key in rows[1] and rows[1][key] == rows[1][key], key  # present and not NaN
