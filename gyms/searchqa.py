@@ -31,7 +31,8 @@ import hf
 from gym import read_jsonl, score_episode, strip_end_marker, validate_format
 
 MODEL = 'hf'
-KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking')
+KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking', 'answer_reward')
+ANSWER_REWARDS = ('em', 'f1')
 
 DATA = Path(__file__).resolve().parent.parent / 'data'
 SOURCES = {'hotpotqa': DATA / 'hotpotqa_dev_sample.jsonl', 'bamboogle': DATA / 'bamboogle.jsonl'}
@@ -240,6 +241,13 @@ def _tag(text, tag):
     return m.group(1).strip() if m else ''
 
 
+def check_answer_reward(answer_reward):
+    """Returns answer_reward ('em' or 'f1'); raises ValueError naming the config key otherwise."""
+    if answer_reward not in ANSWER_REWARDS:
+        raise ValueError(f"config key 'answer_reward' expects one of {', '.join(ANSWER_REWARDS)}, got {answer_reward!r}")
+    return answer_reward
+
+
 class SearchQAEnv:
     """One SearchQA episode (see the env protocol in the repo spec).
 
@@ -249,9 +257,10 @@ class SearchQAEnv:
     - a well-formed search turn: obs = top_k BM25 passages ('[1] title: text', ...), cut to
       max_obs_tokens tokens of `tokenizer` (words if None); plain text, not yet <tool_response>.
     - a well-formed answer turn ends the episode: reward = number of objectives answered exactly
-      (EM after normalisation), when the whole episode passes validate_format and, with
-      require_search, searched at least once; else 0. info has em, f1, em_count, k, format_ok,
-      format_reason, answer, n_search, stop='answer', success (all objectives right).
+      (EM after normalisation; answer_reward='f1': the sum of their token F1, partial credit), when
+      the whole episode passes validate_format and, with require_search, searched at least once;
+      else 0. info has em, f1, em_count, k, format_ok, format_reason, answer, n_search,
+      stop='answer', success (all objectives exactly right, whichever the reward).
     - a malformed turn: an error observation, counted in n_invalid, uses a turn; the final reward
       will be 0 since the whole episode fails the format check. A turn cut at the response limit
       (finish='length') is malformed whatever its text: its search is not run, its answer not taken.
@@ -260,7 +269,8 @@ class SearchQAEnv:
     """
 
     def __init__(self, tokenizer=None, corpus=DEFAULT_CORPUS, top_k=3, max_obs_tokens=400, max_turns=6,
-                 require_think=True, require_search=True, forced_prefix='<mem>', prompt_style='train'):
+                 require_think=True, require_search=True, forced_prefix='<mem>', prompt_style='train', answer_reward='em'):
+        self.answer_reward = check_answer_reward(answer_reward)
         self.tokenizer, self.top_k, self.max_obs_tokens = tokenizer, top_k, max_obs_tokens
         self.max_turns, self.require_think, self.require_search = max_turns, require_think, require_search
         self.forced_prefix, self.prompt_style = forced_prefix, prompt_style
@@ -303,8 +313,9 @@ class SearchQAEnv:
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         if ok and self.require_search and self.n_search == 0:
             ok, reason = False, 'answered without searching'
-        reward = float(s['em_count']) if ok and stop == 'answer' else 0.0
-        info = dict(stop=stop, success=reward == s['k'], n_turns=len(self.turns), n_invalid=self.n_invalid,
+        scored = ok and stop == 'answer'
+        reward = (float(s['em_count']) if self.answer_reward == 'em' else s['f1'] * s['k']) if scored else 0.0
+        info = dict(stop=stop, success=scored and s['em_count'] == s['k'], n_turns=len(self.turns), n_invalid=self.n_invalid,
                     n_search=self.n_search, format_ok=ok, format_reason=reason, answer=answer, **s)
         return reward, True, info
 
@@ -378,6 +389,7 @@ def setup(cfg, vocab=None):
     """Questions of cfg['data'] (default hotpotqa), split by id hash: the first train_tasks and
     eval_tasks of each split (0 = all); the policy's own tokenizer and chat template. The warm start
     imitates oracle_policy when every training task has supporting titles (HotpotQA), else None."""
+    check_answer_reward(cfg['answer_reward'])  # before the data and the index: a typo costs nothing
     train_tasks = make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
     eval_tasks = make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
     tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'], cfg['chat_template'])
@@ -389,6 +401,6 @@ def setup(cfg, vocab=None):
                 train_tasks=train_tasks[:n_train], eval_tasks=eval_tasks[:n_eval],
                 make_env=lambda: SearchQAEnv(tok, max_turns=cfg['max_turns'], max_obs_tokens=cfg['max_obs_tokens'],
                                              require_think=cfg['enable_thinking'] or cfg['require_think'],
-                                             prompt_style=cfg['prompt_style']),
+                                             prompt_style=cfg['prompt_style'], answer_reward=cfg['answer_reward']),
                 baselines={}, answer_text=answer_text,
                 warm_policy=(lambda rng: oracle_policy) if all(t.supporting_titles for t in train_tasks) else None)

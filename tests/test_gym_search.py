@@ -121,6 +121,33 @@ def test_wrong_answer_and_partial_f1(task):
     assert done and r == 0.0 and not info['success'] and info['f1'] == pytest.approx(0.8)   # P 2/2, R 2/3
 
 
+def test_f1_reward_gives_partial_credit_and_keeps_success_exact(task, capsys):
+    """answer_reward='f1': the reward is the answer's token F1 (summed over objectives), still 0 for a
+    malformed episode; success stays 'every objective exactly right'. A bad value is refused in one line."""
+    env = gs.SearchQAEnv(answer_reward='f1')
+    for answer, reward, success in [('Protocol chief', 0.8, False), ('chief of protocol', 1.0, True), ('Temple', 0.0, False)]:
+        env.reset(task)
+        env.step(SEARCH)
+        _, r, done, info = env.step(ANSWER.format(answer))
+        assert done and r == pytest.approx(reward) and info['success'] is success and info['em'] == float(success)
+    env.reset(task)
+    env.step('no tags at all')  # a malformed turn: the episode's format fails, so no partial credit
+    env.step(SEARCH)
+    assert env.step(ANSWER.format('Protocol chief'))[1] == 0.0
+    t = gs.make_tasks('train', seed=1, n_objectives=2)[0]
+    env.reset(t)
+    env.step(SEARCH)
+    assert env.step(ANSWER.format(f'{t.golds[0][0]}; wrong'))[1] == pytest.approx(1.0)  # F1 1 + 0
+    with pytest.raises(ValueError, match="config key 'answer_reward' expects one of em, f1, got 'F1'"):
+        gs.SearchQAEnv(answer_reward='F1')
+    from config import load_config
+    from gym import load_gym
+    with pytest.raises(SystemExit) as e:
+        load_gym(load_config(['--gym=searchqa', '--model=tiny-qwen3', '--answer_reward=F1']))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: config key 'answer_reward' expects one of em, f1, got 'F1'\n"
+
+
 def test_format_failures(task):
     env = gs.SearchQAEnv()
     env.reset(task)
