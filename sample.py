@@ -69,8 +69,8 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
 @torch.no_grad()
 def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16):
     """Every held-out task of gym_, `samples` times, `batch` episodes per rollout batch. Returns
-    (metrics dict, trajectories): train.py's episode metrics plus turns, invalid turns, format rate
-    and stop reasons. Sampling draws from a generator seeded by cfg['seed']: the same arguments give
+    (metrics dict, trajectories): train.py's episode metrics (format validity among them) plus turns,
+    invalid turns and stop reasons. Sampling draws from a generator seeded by cfg['seed']: the same arguments give
     the same numbers on CPU."""
     tasks = gym_['eval_tasks']
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
@@ -84,8 +84,6 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16):
                turns_mean=sum(len(t.turns) for t in trajs) / n,
                invalid_turns_mean=sum(t.info.get('n_invalid', 0) for t in trajs) / n,
                stops=dict(Counter(str(t.info.get('stop')) for t in trajs)))
-    if any('format_ok' in t.info for t in trajs):  # SearchQA: the whole episode passed validate_format
-        out['format_ok_rate'] = sum(bool(t.info.get('format_ok')) for t in trajs) / n
     return out, trajs
 
 
@@ -314,7 +312,7 @@ def main_eval(opts, rest):
     result = dict(policy=policy, **settings, decoding='sampled' if opts['sampled'] else 'greedy',
                   temperature=cfg['temperature'] if opts['sampled'] else 0.0, tasks=len(gym_['eval_tasks']),
                   samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
-    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok_rate']
+    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']
     print(f"{policy} on {result['tasks']} held-out {cfg['gym']} tasks x {opts['samples']}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "
           + ', '.join(f'{k} {result[k]:.3f}' if isinstance(result[k], float) else f'{k} {result[k]}'

@@ -407,7 +407,7 @@ def test_greedy_evaluation_does_not_depend_on_batching(tok, model):
     assert one['episodes'] == 3 and one['turns_mean'] == sum(len(t.turns) for t in t1) / 3
     assert one['tt'] == sum(len(tr['context'][0]) + len(tr['response']) for t in t1 for tr in t.turns) / 3
     assert one['pt'] == sum(max(len(tr['context'][0]) + len(tr['response']) for tr in t.turns) for t in t1) / 3
-    assert {'em', 'f1', 'format_ok_rate', 'stops', 'truncation_rate'} <= set(one)
+    assert {'em', 'f1', 'format_ok', 'turn_format_ok', 'stops', 'truncation_rate'} <= set(one)
 
 
 def run_train(out_dir, *args, timeout=600):
