@@ -55,6 +55,7 @@ config = dict(
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (issue #16)
+    val_tasks=0,                 # gym memory: validation tasks (worlds of their own), evaluated after held-out (eval_val_*)
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)

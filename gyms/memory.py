@@ -31,7 +31,7 @@ from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem,
                  strip_end_marker, validate_format, word_format)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'oracle_forget')
+KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'val_tasks')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -150,20 +150,21 @@ def memory_quality(task, turn_text, found):
 def make_tasks(split, n, seed=0, n_objectives=None, hops=(2, 3)):
     """n memory tasks of one split, each with its own world.
 
-    split: 'train' or 'heldout' (different seed streams, so different worlds).
+    split: 'train', 'heldout' or 'val' (different seed streams, so different worlds; 'val' is the
+    validation split that recipes are chosen on).
     n_objectives: (lo, hi) inclusive range of sub-questions per task; default (1, 4) for train and
-    (1, 5) for heldout, which so also tests one more objective than training saw. hops: (lo, hi)
+    (1, 5) for heldout and val, which so also test one more objective than training saw. hops: (lo, hi)
     inclusive hops per sub-question.
     Returns list[MemoryTask]; deterministic in (split, n, seed, ranges). Raises ValueError on an
     unknown split.
     """
-    if split not in ("train", "heldout"):
+    if split not in ("train", "heldout", "val"):
         raise ValueError(f"unknown split {split!r}")
     if n_objectives is None:
         # a tiny model does not extrapolate far in question length: after training on k <= 3, the
         # warm-started agent began 58 of 60 held-out k=4 episodes on the wrong objective (both agents
         # see the same first turn). Train up to 4, hold out up to 5: k=5 is the one-more test.
-        n_objectives = (1, 4) if split == "train" else (1, 5)
+        n_objectives = (1, 4) if split == "train" else (1, 5)  # heldout and val
     chains = {h: _chains(h) for h in range(hops[0], hops[1] + 1)}
     tasks = []
     for i in range(n):
@@ -390,7 +391,8 @@ def folded_policy(policy):
 
 def setup(cfg, vocab=None):
     """train_tasks (0: 2000) and eval_tasks (0: 96) tasks drawn with cfg's seed, training questions
-    with 1..max_objectives parts and held-out ones with up to one more; the warm start imitates the
+    with 1..max_objectives parts and held-out ones with up to one more, and val_tasks validation tasks
+    like the held-out ones (0: none; train.py evaluates them after held-out); the warm start imitates the
     oracle through the folded context. model tiny: a word vocabulary built from the gym's texts (or
     the checkpoint's `vocab`); any other model: its tokenizer and chat template (hf.chat_format, which
     raises ValueError naming what the model lacks)."""
@@ -399,6 +401,7 @@ def setup(cfg, vocab=None):
         raise ValueError(f"config key 'max_objectives' must be >= 1, got {k}")
     train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"], n_objectives=(1, k))
     eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"], n_objectives=(1, k + 1))
+    val_tasks = make_tasks("val", cfg["val_tasks"], seed=cfg["seed"], n_objectives=(1, k + 1))
     if cfg["model"] == "tiny":
         tok = build_tokenizer(memory_texts(), vocab)
         fmt = word_format(tok, memory=True)
@@ -408,6 +411,6 @@ def setup(cfg, vocab=None):
         fmt = hf.chat_format(tok, system=SYSTEM_PROMPT, enable_thinking=True, memory=True)
     p = cfg["oracle_forget"]
     warm = (lambda rng: folded_policy(make_lossy_oracle(rng, p))) if p else (lambda rng: folded_policy(oracle_policy))
-    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks,
+    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
                 make_env=MemoryEnv, warm_policy=warm, baselines={},
                 answer_text=answer_text)

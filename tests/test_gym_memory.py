@@ -1,6 +1,7 @@
 import random
 import unicodedata
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 import gym
@@ -166,9 +167,12 @@ def test_tag_soup_valid_iff_structure(words):
 
 
 def test_worlds_differ_across_tasks_and_splits():
-    tr, he = g.make_tasks("train", 50, seed=0), g.make_tasks("heldout", 50, seed=0)
-    worlds = {tuple(sorted(t.facts.items())) for t in tr + he}
-    assert len(worlds) == 100
+    tr, he, va = g.make_tasks("train", 50, seed=0), g.make_tasks("heldout", 50, seed=0), g.make_tasks("val", 50, seed=0)
+    worlds = {tuple(sorted(t.facts.items())) for t in tr + he + va}
+    assert len(worlds) == 150
+    assert {len(t.golds) for t in g.make_tasks("val", 200)} == {1, 2, 3, 4, 5}  # like held-out
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        g.make_tasks("test", 5)
     assert g.make_tasks("train", 5, seed=0)[3] == tr[3]  # deterministic
     assert g.make_tasks("train", 5, seed=1)[3].facts != tr[3].facts
 

@@ -162,12 +162,13 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
 def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     """config/tiny_mem.yaml end to end, shrunk: the MemPO metrics the issue names reach metrics.jsonl."""
     p = train(tmp_path, 'config/tiny_mem.yaml', '--gym=memory', '--warmstart_steps=3', '--warmstart_batch_size=2',
-          '--steps=2', '--eval_every=2', '--eval_tasks=10', '--train_tasks=20', '--warmstart_episodes=20', '--n_embd=32',
+          '--steps=2', '--eval_every=2', '--eval_tasks=10', '--train_tasks=20', '--warmstart_episodes=20', '--n_embd=32', '--val_tasks=3',
           f'--out_dir={tmp_path}', small=[a for a in SMALL if a != '--train_variants=2'])  # a bugfix key
     rows = metrics(tmp_path)
     last = rows[-1]
     assert [r['step'] for r in rows] == [0, 1, 2]
     assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
+    assert all(0 <= r['eval_val_success'] <= 1 and 'eval_val_greedy_success' in r for r in (rows[0], last))  # --val_tasks
     assert p.stdout.count(f", format ok {last['eval_format_ok']:.3f} (turns {last['eval_turn_format_ok']:.3f})") >= 1
     for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_reward_time_s', 'mem_tokens_mean',
                 'tt', 'pt', 'em', 'f1'):
