@@ -34,21 +34,20 @@ def summarise(t):
 def episode_metrics(eps, prefix=''):
     """Means over episode summaries; memory gyms add EM/F1/TT/PT overall and per objective count k, and
     the memory gym mem_quality (gyms/memory.py memory_quality, the mean over the episodes that have one).
-    Format, for gyms whose env reports it: turn_format_ok, the fraction of turns that are well formed
-    (1 - n_invalid / n_turns over the episodes whose info counts invalid turns), and format_ok, the
-    fraction of episodes whose every turn keeps the format and that end in an answer (an episode cut
-    by the rollout, which has no format_ok, counts as not ok)."""
+    Format, for gyms whose env reports format_ok (the <mem> turn format): format_ok, the fraction of
+    episodes whose every turn keeps the format and that end in an answer (an episode cut by the
+    rollout, which has no format_ok, counts as not ok), and turn_format_ok, the fraction of turns that
+    are well formed (1 - n_invalid / n_turns over the episodes whose info counts invalid turns)."""
     n = max(len(eps), 1)
     out = {f'{prefix}reward_mean': sum(e['reward'] for e in eps) / n,
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
            f'{prefix}truncation_rate': sum(e['stop'] in TRUNCATED for e in eps) / n,  # out of turns or context
            f'{prefix}tt': sum(e.get('tt', 0) for e in eps) / n,  # tokens processed per episode
            f'{prefix}pt': sum(e.get('pt', 0) for e in eps) / n}  # mean over episodes of the peak context
-    counted = [e for e in eps if 'n_invalid' in e]
-    if counted:
-        out[f'{prefix}turn_format_ok'] = 1 - sum(e['n_invalid'] for e in counted) / max(sum(e['n_turns'] for e in counted), 1)
-    if any('format_ok' in e for e in eps):
+    if any('format_ok' in e for e in eps):  # the <mem> turn-format gyms (memory, searchqa)
         out[f'{prefix}format_ok'] = sum(bool(e.get('format_ok')) for e in eps) / n
+        counted = [e for e in eps if 'n_invalid' in e]
+        out[f'{prefix}turn_format_ok'] = 1 - sum(e['n_invalid'] for e in counted) / max(sum(e['n_turns'] for e in counted), 1)
     if eps and 'em' in eps[0]:
         by_k = {}
         for e in eps:
