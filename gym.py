@@ -35,6 +35,7 @@ The rollout itself ends an episode 'truncated' (out of max_turns or max_len, rew
 (step raised: the episode is invalid); every other stop is the gym's.
 """
 
+import difflib
 import importlib
 import json
 import os
@@ -91,7 +92,8 @@ def gym_module(cfg, defaults=None):
     if name in broken:
         fail(f"gyms/{name}.py does not import: {broken[name]}")
     if name not in gyms:
-        fail(f"unknown gym {name!r} ({', '.join(gyms)})")
+        close = difflib.get_close_matches(name, gyms, n=1)
+        fail(f"unknown gym {name!r}" + (f" (did you mean {close[0]!r}?)" if close else '') + f"; the gyms: {', '.join(gyms)}")
     mod = gyms[name]
     for attr in ('MODEL', 'KEYS'):
         if not hasattr(mod, attr):

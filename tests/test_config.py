@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from gym import gym_modules
 from train import config, load_config
 
 ROOT = __file__.rsplit('/tests/', 1)[0]
@@ -35,7 +36,8 @@ def run_train(*args):
     (['--beta1=2'], "config key 'beta1' must be in [0, 1), got 2.0"),
     (['--weight_decay=-1'], "config key 'weight_decay' must be >= 0, got -1.0"),
     (['--train_variants=3', '--gym=memory'], "config key 'train_variants' is not used by gym 'memory'"),
-    (['--gym=sandbox'], "unknown gym 'sandbox' (bugfix, example, memory, quixbugs, searchqa)"),
+    (['--gym=sandbox'], "unknown gym 'sandbox'; the gyms: " + ', '.join(gym_modules())),  # a forked gym joins the list
+    (['--gym=memry'], "unknown gym 'memry' (did you mean 'memory'?); the gyms: "),
     (['--gym=searchqa'], "gym 'searchqa' needs a Hugging Face chat model"),
     (['--model=smollm2'], "gym 'bugfix' builds its own word vocabulary for model: tiny, not 'smollm2'"),
     (['--gym=searchqa', '--model=no-such-org/no-such-model'],

@@ -101,7 +101,7 @@ def test_a_done_info_without_success_or_a_known_stop_stops_the_run(env, needle):
 @pytest.mark.parametrize('name', ['nope', 'sandbox', '__init__'])
 def test_unknown_gym(capsys, name):
     cfg = load_config([f'--gym={name}'])
-    assert load_fails(capsys, cfg) == f"unknown gym {name!r} ({', '.join(sorted(GYMS))})"
+    assert load_fails(capsys, cfg) == f"unknown gym {name!r}; the gyms: {', '.join(sorted(GYMS))}"
 
 
 def test_model_of_the_wrong_kind(capsys):

