@@ -207,6 +207,8 @@ def load_config(argv, defaults=config):
             fail(f"config key '{key}' must be a finite number, got {value!r}")
     if cfg['min_lr'] > cfg['lr']:
         fail(f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant")
+    if not 0 <= cfg['seed'] < 2 ** 32:  # torch.manual_seed overflows past 64 bits, and evaluation seeds are multiples of it
+        fail(f"config key 'seed' must be in [0, 2**32), got {cfg['seed']!r}")
     for key in ('beta1', 'beta2'):
         if not 0 <= cfg[key] < 1:
             fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")

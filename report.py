@@ -86,7 +86,7 @@ def load_latest_checkpoint(out_dir):
     for path in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')), reverse=True):
         try:
             state = torch.load(path, map_location='cpu', weights_only=False)
-            if not isinstance(state, dict) or 'model' not in state:
+            if not isinstance(state, dict) or not {'model', 'step', 'config'} <= set(state):
                 raise ValueError('not a nanoagent checkpoint')
             return state, path
         except Exception as e:

@@ -177,6 +177,8 @@ def record_turn(ep, fmt, context, response, logp, cfg, finish_reason):
         return finish(ep, reward, info)
     if t + 1 >= cfg['max_turns']:
         return finish(ep, 0.0, info, stop='truncated')
+    if not isinstance(obs, str):  # the contract (gym.py); encoding it would fail deep inside the tokenizer
+        raise GymContractError(f"{type(ep.env).__name__}.step returned a {type(obs).__name__} observation, not text (str)")
     o_ids, o_owner = fmt.observation(obs)
     ep.observations.append((o_ids, o_owner))
     ep.texts.append(obs)

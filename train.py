@@ -237,7 +237,7 @@ _WARNED = set()
 
 def check_invalid(trajs, what):
     """Invalid episodes (the gym's step raised, or its reward was not a finite number) get reward 0 and
-    are left out of the RL update; the first time, one stderr line says how many and why. When every
+    are left out of the RL update and of the warm start; the first time, one stderr line says how many and why. When every
     episode of `what` on every rank is invalid the gym is broken, not flaky: exit 2 with an error.
     Every rank calls it (the counts are summed over ranks)."""
     bad = [t.info.get('error', 'invalid') for t in trajs if not t.valid]
@@ -247,7 +247,7 @@ def check_invalid(trajs, what):
     if n_bad and what not in _WARNED and rank() == 0:
         _WARNED.add(what)
         print(f"warning: {what}: {n_bad:.0f} of {n:.0f} episodes invalid (reward 0"
-              f"{', left out of the update, logged as invalid_episodes' if what == 'RL' else ''})"
+              f"{', left out of the update, logged as invalid_episodes' if what == 'RL' else ', not imitated' if what == 'warm start' else ''})"
               + (f"; the first: {bad[0]}" if bad else ''), file=sys.stderr)
 
 
@@ -334,6 +334,8 @@ def warm_start(model, gym_, cfg, rng):
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
     trajs = run_tasks(policies, gym_, cfg, tasks)
     check_invalid(trajs, 'warm start')
+    trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
+    n = len(trajs)
     batch = collate(trajs, gym_['fmt'].pad_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()
@@ -391,6 +393,9 @@ def check_out_dir(cfg, state):
     if cfg['resume'] and state is None and old:  # never delete what could not be read
         fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
              f"move them away or run without --resume")
+    if cfg['resume'] and not old and metrics:  # killed before its first checkpoint, or they were moved away
+        fail(f"--resume=True: {cfg['out_dir']} holds metrics.jsonl but no checkpoint to continue from; "
+             f"--overwrite=True replaces the run, or choose another out_dir")
     if state is None and (old or metrics) and not cfg['overwrite']:
         fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), metrics.jsonl "
              f"{'present' if metrics else 'absent'}): --resume=True continues it, "

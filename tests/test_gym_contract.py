@@ -219,10 +219,13 @@ def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, 
         return step(self, action, finish)
     monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
     monkeypatch.setattr(train, '_WARNED', set())
+    collated, collate = [], train.collate
+    monkeypatch.setattr(train, 'collate', lambda trajs, *a: collated.append([t.valid for t in trajs]) or collate(trajs, *a))
     train.main(['config/example.yaml', '--warmstart_episodes=8', '--warmstart_steps=2', '--steps=2', '--eval_every=0',
                 f'--out_dir={tmp_path}'])
     err = capsys.readouterr().err
     assert err.count('warning: warm start: ') == 1 and err.count('warning: RL: ') == 1  # once each, not every step
+    assert 'invalid (reward 0, not imitated)' in err and collated[0] and all(collated[0])  # the warm start's batch
     assert 'episodes invalid' in err and "the first: reward None is not a finite number" in err
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
     assert all(r['invalid_episodes'] > 0 for r in rows if r['step'] > 0)
@@ -236,3 +239,16 @@ def test_a_reset_without_text_stops_before_the_warm_start(tmp_path, monkeypatch,
         train.main(['config/example.yaml', f'--out_dir={tmp_path}'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == 'error: GuessEnv.reset returned NoneType, not the prompt text (str)\n'
+
+
+def test_a_step_without_text_stops_in_one_line(tmp_path, monkeypatch, capsys):
+    """An observation that is not a str broke deep in the tokenizer (AttributeError: 'NoneType' has no
+    attribute 'replace'); now the run stops at the first such step with one line naming the env."""
+    import gyms.example as ex
+    import train
+    step = ex.GuessEnv.step
+    monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, *a: (None, *step(self, *a)[1:]))
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == 'error: warm start: GuessEnv.step returned a NoneType observation, not text (str)\n'

@@ -86,6 +86,14 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
     p = train(tmp_path, '--steps=4', '--resume=True', check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith('error: --resume=True: no checkpoint in')
     assert sorted(tmp_path.glob('ckpt_*.pt')) == ckpts and all(c.read_bytes() == b'not a checkpoint' for c in ckpts)
+    torch.save({'model': {}}, ckpts[-1])  # a dict with weights but no step is not ours either (it was a KeyError)
+    p = train(tmp_path, '--steps=4', '--resume=True', check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith('error: --resume=True: no checkpoint in')
+    for c in ckpts:  # killed before its first checkpoint: metrics.jsonl alone is nothing to continue from
+        c.unlink()
+    p = train(tmp_path, '--steps=4', '--resume=True', check=False)
+    assert p.returncode == 2 and p.stderr == (f'error: --resume=True: {tmp_path} holds metrics.jsonl but no checkpoint to '
+                                              'continue from; --overwrite=True replaces the run, or choose another out_dir\n')
 
 
 def test_resume_with_another_model_size_names_the_key(tmp_path):
