@@ -5,7 +5,7 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
     python sample.py --out_dir=out/tiny                         # newest checkpoint, 4 held-out episodes
     python sample.py --out_dir=out/tiny --n=8 --greedy --html=episodes.html
     python sample.py config/tiny.yaml --untrained --html=untrained.html   # config only, random weights
-    python sample.py --metrics_rollout=out/tiny/rollout_000050.pt --html=step50.html  # a training batch + advantages
+    python sample.py --metrics_rollout=out/tiny/rollout_000150.pt --html=step150.html  # a training batch + advantages
     python sample.py --out_dir=out/tiny --curves=curves.png     # plot out/tiny/metrics.jsonl
     python sample.py --out_dir=out/tiny --eval                  # every held-out task, greedy
     python sample.py config/smollm2_hotpotqa.yaml --eval --eval_tasks=50 --untrained   # zero-shot

@@ -162,7 +162,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     all ranks agree on each mini-batch; loss normalisers are global and gradients are summed across
     ranks, so N ranks compute exactly the update of one process on the global batch. A micro-batch,
     or a rank's share, without trained tokens (invalid episodes) adds loss 0 and gradient 0. A
-    non-finite loss or gradient skips that optimizer step (counted in bad_steps)."""
+    non-finite loss or gradient skips that optimizer step (counted in bad_steps); when every step was
+    skipped, loss and grad_norm are None."""
     dev = cfg['device']
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
@@ -229,6 +230,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     m['ratio_dev_first_minibatch'] = all_reduce(m['ratio_dev_first_minibatch'], 'max')
     if ref_logp is None:
         m['kl'] = None
+    if m['bad_steps'] == cfg['ppo_epochs'] * cfg['mini_batches']:  # every step skipped: no loss, not a loss of 0
+        m['loss'] = m['grad_norm'] = None
     return m
 
 
@@ -555,7 +558,7 @@ def main(argv):
             if 'eval_success_rate' in log:  # an eval step: redraw the curves
                 report.plot_metrics(metrics_path, os.path.join(cfg['out_dir'], report.CURVES))
         if bad_steps >= cfg['max_bad_steps']:
-            print(f'stopping at step {step}: {bad_steps} steps in a row had a non-finite loss '
+            print(f'error: stopping at step {step}: {bad_steps} steps in a row had a non-finite loss '
                   f'(max_bad_steps={cfg["max_bad_steps"]})', file=sys.stderr)
             sys.exit(1)
         if step == cfg['steps'] or (cfg['save_every'] and step % cfg['save_every'] == 0):

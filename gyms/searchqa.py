@@ -395,7 +395,7 @@ def setup(cfg, vocab=None):
     tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'], cfg['chat_template'])
     stable, detail = hf.check_prefix_stability(tok, enable_thinking=cfg['enable_thinking'])
     if not stable and os.environ.get('RANK', '0') == '0':  # we never re-render: every turn trains in the context it was sampled in
-        print(f'chat template rewrites history ({detail}); contexts are kept per turn as sampled')
+        print(f'note: the chat template rewrites history ({detail}); contexts are kept per turn as sampled')
     n_train, n_eval = cfg['train_tasks'] or len(train_tasks), cfg['eval_tasks'] or len(eval_tasks)
     return dict(tok=tok, fmt=hf.chat_format(tok, enable_thinking=cfg['enable_thinking'], memory=True),
                 train_tasks=train_tasks[:n_train], eval_tasks=eval_tasks[:n_eval],

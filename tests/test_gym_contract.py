@@ -252,3 +252,18 @@ def test_a_step_without_text_stops_in_one_line(tmp_path, monkeypatch, capsys):
         train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == 'error: warm start: GuessEnv.step returned a NoneType observation, not text (str)\n'
+
+
+def test_an_update_gone_non_finite_logs_no_loss_and_stops(tmp_path, capsys):
+    """lr 1e30: the first update makes the weights non-finite, every later optimizer step is skipped.
+    Those steps log loss and grad_norm as null (they logged 0.0, a flat healthy-looking curve), and
+    after max_bad_steps such steps in a row the run stops with an error line (exit 1: not bad input)."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', '--lr=1e30', '--warmup_steps=0', '--steps=8', '--eval_every=0',
+                    '--warmstart_steps=100', '--max_bad_steps=2', f'--out_dir={tmp_path}'])  # 100: some success
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and 'error: stopping at step 2: 2 steps in a row had a non-finite loss' in err
+    first, second = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')][1:]
+    assert first['bad_steps'] == 1 and first['loss'] > 0 and first['grad_norm'] > 0  # its first mini-batch stepped
+    assert second['bad_steps'] == 2 and second['loss'] is None and second['grad_norm'] is None  # both skipped
