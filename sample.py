@@ -246,6 +246,16 @@ def parse_args(argv, defaults=OPTIONS):
     return opts, rest
 
 
+def run_config(rest, saved):
+    """A run's saved config with argv (rest) on top. A run trained with more threads than this machine
+    has cores is looked at with all of them (a note says so) rather than refused."""
+    saved, cores = dict(saved), os.cpu_count() or 1
+    if saved.get('threads', 0) > cores:
+        print(f"note: the run used threads={saved['threads']}; this machine has {cores} cores, so {cores}")
+        saved['threads'] = cores
+    return load_config(rest, dict(config, **saved))
+
+
 def load_run(rest, untrained=False):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
     the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
@@ -257,14 +267,14 @@ def load_run(rest, untrained=False):
     saved = os.path.join(cfg['out_dir'], 'config.json')
     from_run = untrained and os.path.isfile(saved)
     if from_run:  # the run's gym and model, before its training
-        cfg = load_config(rest, dict(config, **json.load(open(saved))))
+        cfg = run_config(rest, json.load(open(saved)))
     state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'])
     if state is None and not untrained and glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')):
         fail(f"no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); move them away or add --untrained")
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
-        cfg = load_config(rest, dict(config, **state['config']))
+        cfg = run_config(rest, state['config'])
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         print('no CUDA here: running on cpu')
         cfg['device'] = 'cpu'

@@ -299,6 +299,12 @@ def test_untrained_with_a_runs_out_dir_builds_that_runs_gym_and_model(memory, tm
     assert policy == f"untrained tiny (--untrained, the config of {tmp_path / 'config.json'})"
     got, _, _, policy = sample.load_run([f"--out_dir={tmp_path / 'none'}"], untrained=True)  # no run there: the defaults
     assert policy == 'untrained tiny (--untrained)' and got['gym'] == 'bugfix'
+    capsys.readouterr()
+    json.dump(dict(cfg, out_dir=str(tmp_path), threads=1000), open(tmp_path / 'config.json', 'w'))  # a bigger machine's run
+    cores = os.cpu_count()
+    assert sample.load_run([f'--out_dir={tmp_path}'], untrained=True)[0]['threads'] == cores  # looked at, not refused
+    assert f'note: the run used threads=1000; this machine has {cores} cores, so {cores}' in capsys.readouterr().out
+    assert sample.load_run([f'--out_dir={tmp_path}', '--threads=1'], untrained=True)[0]['threads'] == 1  # argv on top
 
 
 def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
