@@ -216,6 +216,8 @@ def load_config(argv, defaults=config):
         fail(f"config keys 'lora_rank' (>= 0) and 'lora_alpha' (> 0), got {cfg['lora_rank']!r} and {cfg['lora_alpha']!r}")
     if cfg['chat_template'] and cfg['model'] == 'tiny':
         fail("config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template")
+    if cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'):  # it would be ignored
+        fail(f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none")
     if cfg['lora_rank'] and cfg['model'] == 'tiny':
         fail("config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'")
     if not 0 <= cfg['oracle_forget'] <= 1:
