@@ -140,10 +140,10 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
     import report
     (tmp_path / 'ckpt_000010.pt').write_bytes(b'not a checkpoint')
     for step in (5, 6):
-        report.save_checkpoint(dict(model={}, step=step), str(tmp_path), step, 1)
+        report.save_checkpoint(dict(model={}, step=step, config={}), str(tmp_path), step, 1)
     assert sorted(p.name for p in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000006.pt', 'ckpt_000010.pt']
     assert report.load_latest_checkpoint(str(tmp_path))[0]['step'] == 6
-    report.save_checkpoint(dict(model={}, step=10), str(tmp_path), 10, 1)  # this run reaches step 10
+    report.save_checkpoint(dict(model={}, step=10, config={}), str(tmp_path), 10, 1)  # this run reaches step 10
     assert [p.name for p in tmp_path.glob('ckpt_*.pt')] == ['ckpt_000010.pt']
 
 
