@@ -153,6 +153,34 @@ def parse_options(argv, defaults):
     return opts, rest
 
 
+def read_config_file(path, argv):
+    """The mapping of keys to values in the YAML file at path (argv: the whole command line, for a hint
+    about '--steps 3'). A missing file, bad YAML, a key written twice or a file that is not a mapping
+    exits 2 with one line naming the file."""
+    if not os.path.isfile(path):
+        bare = next((a for a in argv if a.startswith('--') and '=' not in a), None)  # '--steps 3' for '--steps=3'
+        fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
+             + (f" (flags take their value after '=': {bare}={path})" if bare else ''))
+    try:
+        with open(path) as f:
+            text = f.read()
+        node, seen = yaml.compose(text), set()  # safe_load keeps the last of two equal keys without a word
+        for k, _ in node.value if isinstance(node, yaml.MappingNode) else []:
+            if k.value in seen:
+                fail(f"config file {path}: key {k.value!r} appears twice (again on line {k.start_mark.line + 1})")
+            seen.add(k.value)
+        loaded = yaml.safe_load(text) or {}
+    except UnicodeDecodeError:
+        fail(f'cannot read YAML file {path}: not UTF-8 text')
+    except yaml.YAMLError as e:
+        mark = getattr(e, 'problem_mark', None)
+        where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
+        fail(f'cannot parse YAML file {path}{where}: {getattr(e, "problem", None) or str(e).splitlines()[0]}')
+    if not isinstance(loaded, dict):
+        fail(f'config file {path} must hold a mapping of keys to values')
+    return loaded
+
+
 def load_config(argv, defaults=config):
     """defaults <- YAML files <- --key=value, each kind in its order on the command line; a --key=value
     overrides every file wherever it stands (`--steps=3 config/tiny.yaml` runs 3 steps). Every value is
@@ -171,22 +199,7 @@ def load_config(argv, defaults=config):
                 check_key(key, None, cfg)
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
         else:
-            if not os.path.isfile(arg):
-                bare = next((a for a in argv if a.startswith('--') and '=' not in a), None)  # '--steps 3' for '--steps=3'
-                fail((f'config file is a directory: {arg}' if os.path.isdir(arg) else f'config file not found: {arg}')
-                     + (f" (flags take their value after '=': {bare}={arg})" if bare else ''))
-            try:
-                with open(arg) as f:
-                    loaded = yaml.safe_load(f) or {}
-            except UnicodeDecodeError:
-                fail(f'cannot read YAML file {arg}: not UTF-8 text')
-            except yaml.YAMLError as e:
-                mark = getattr(e, 'problem_mark', None)
-                where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
-                fail(f'cannot parse YAML file {arg}{where}: {getattr(e, "problem", None) or str(e).splitlines()[0]}')
-            if not isinstance(loaded, dict):
-                fail(f'config file {arg} must hold a mapping of keys to values')
-            for key, value in loaded.items():
+            for key, value in read_config_file(arg, argv).items():
                 cfg[key] = check_key(key, value, cfg)
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'

@@ -128,6 +128,18 @@ def test_yaml_error_names_line_and_column(tmp_path):
     assert p.stderr.startswith(f'error: cannot parse YAML file {bad}:3:')
 
 
+def test_a_key_twice_in_a_yaml_file_is_refused(tmp_path, capsys):
+    """YAML keeps the last of two equal keys without a word: a user editing one `lr:` line while the
+    other wins would train with a learning rate they never see."""
+    twice = tmp_path / 'twice.yaml'
+    twice.write_text('lr: 0.1\nsteps: 3\nlr: 0.2\n')
+    with pytest.raises(SystemExit) as e:
+        load_config([str(twice)])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: config file {twice}: key 'lr' appears twice (again on line 3)\n"
+    (tmp_path / 'once.yaml').write_text('lr: 0.1\nsteps: 3\n')
+    assert load_config([str(tmp_path / 'once.yaml')])['lr'] == 0.1
+
+
 def test_help_prints_usage_and_keys():
     p = run_train('--help')
     assert p.returncode == 0 and 'python train.py config/tiny.yaml' in p.stdout and ' kl_coef ' in p.stdout
