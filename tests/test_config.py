@@ -155,3 +155,17 @@ def test_max_len_too_short_for_the_prompts_exits_2_with_one_line(tmp_path):
     assert lines == ['error: max_len=32 is too short: the longest prompt is 70 tokens and a turn needs '
                      'max_response_tokens=16 more'], p.stderr
     assert not (tmp_path / 'out' / 'metrics.jsonl').exists()
+
+
+def test_a_typo_of_a_scripts_own_option_names_that_option(capsys):
+    """sample.py --sample=4 used to be reported as a config key (did you mean 'eval_samples'?)."""
+    from config import parse_options
+    defaults = dict(samples=1, html='', greedy=False)
+    for argv, err in [(['--sample=4'], "unknown option '--sample' (did you mean '--samples'?)"),
+                      (['--greed'], "unknown option '--greed' (did you mean '--greedy'?)"),
+                      (['--html'], '--html needs a value, e.g. --html=FILE')]:
+        with pytest.raises(SystemExit) as e:
+            parse_options(argv, defaults)
+        assert e.value.code == 2 and capsys.readouterr().err == f'error: {err}\n'
+    opts, rest = parse_options(['--samples=4', '--eval_task=3', 'c.yaml'], defaults)  # nearer a config key: train.py's
+    assert opts['samples'] == 4 and rest == ['--eval_task=3', 'c.yaml']
