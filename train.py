@@ -491,10 +491,6 @@ def init_run(cfg):
         print(json.dumps(cfg))
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
-    try:
-        os.makedirs(cfg['out_dir'], exist_ok=True)
-    except OSError as e:
-        fail(f"cannot create out_dir {cfg['out_dir']!r}: {e.strerror}")
     random.seed(cfg['seed'])
     torch.manual_seed(cfg['seed'])
     rng = random.Random(cfg['seed'])  # the same on every rank: all ranks draw the same tasks
@@ -506,6 +502,10 @@ def init_run(cfg):
         model = load_policy(cfg, gym_['tok'].vocab_size)
     except (OSError, ValueError) as e:  # GymContractError too: a reset that returns no text
         fail(str(e).splitlines()[0])
+    try:  # only now: a set-up that fails leaves no empty out_dir behind
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create out_dir {cfg['out_dir']!r}: {e.strerror}")
     if rank() == 0:
         print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks "
               f"({time.time() - t0:.0f}s); policy {cfg['model']}, {count_params(model) / 1e6:.2f}M parameters"

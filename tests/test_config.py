@@ -117,7 +117,7 @@ def test_bad_data_stops_before_training_with_one_line(tmp_path, content, needle)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith('error: '), p.stderr
-    assert not (tmp_path / 'out' / 'metrics.jsonl').exists()
+    assert not (tmp_path / 'out').exists()  # not even an empty out_dir
 
 
 def test_yaml_error_names_line_and_column(tmp_path):
