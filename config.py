@@ -142,9 +142,10 @@ def parse_options(argv, defaults):
     opts, rest = dict(defaults), []
     for arg in argv:
         key, eq, raw = arg[2:].partition('=')
-        close = difflib.get_close_matches(key, list(opts) + list(config), n=1) if arg.startswith('--') else []
-        if key not in opts and key not in config and close and close[0] in opts:  # a typo of the script's own option (--sample)
-            fail(f"unknown option '--{key}' (did you mean '--{close[0]}'?)")
+        if arg.startswith('--') and key not in opts and key not in config:  # a typo of the script's own option (--sample)?
+            close = difflib.get_close_matches(key, list(opts) + list(config), n=1)
+            if close and close[0] in opts:
+                fail(f"unknown option '--{key}' (did you mean '--{close[0]}'?)")
         if not arg.startswith('--') or key not in opts:
             rest.append(arg)
         elif not eq and isinstance(opts[key], bool):

@@ -236,21 +236,21 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
 
 
 _WARNED = set()
+_INVALID_FATE = {'RL': ', left out of the update, logged as invalid_episodes', 'warm start': ', not imitated'}
 
 
 def check_invalid(trajs, what):
     """Invalid episodes (the gym's step raised, or its reward was not a finite number) get reward 0 and
-    are left out of the RL update and of the warm start; the first time, one stderr line says how many and why. When every
-    episode of `what` on every rank is invalid the gym is broken, not flaky: exit 2 with an error.
-    Every rank calls it (the counts are summed over ranks)."""
+    are left out of the RL update and of the warm start; the first time, one stderr line says how many
+    and why. When every episode of `what` on every rank is invalid the gym is broken, not flaky: exit 2
+    with an error. Every rank calls it (the counts are summed over ranks)."""
     bad = [t.info.get('error', 'invalid') for t in trajs if not t.valid]
     n_bad, n = all_reduce(float(len(bad))), all_reduce(float(len(trajs)))
     if n_bad and n_bad == n:
         fail(f"{what}: every episode is invalid; the first: {bad[0]}")
     if n_bad and what not in _WARNED and rank() == 0:
         _WARNED.add(what)
-        print(f"warning: {what}: {n_bad:.0f} of {n:.0f} episodes invalid (reward 0"
-              f"{', left out of the update, logged as invalid_episodes' if what == 'RL' else ', not imitated' if what == 'warm start' else ''})"
+        print(f"warning: {what}: {n_bad:.0f} of {n:.0f} episodes invalid (reward 0{_INVALID_FATE.get(what, '')})"
               + (f"; the first: {bad[0]}" if bad else ''), file=sys.stderr)
 
 
