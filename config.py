@@ -55,6 +55,7 @@ config = dict(
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (issue #16)
+    oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
     val_tasks=0,                 # gym memory: validation tasks (worlds of their own), evaluated after held-out (eval_val_*)
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
@@ -237,8 +238,9 @@ def load_config(argv, defaults=config):
         fail(f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none")
     if cfg['lora_rank'] and cfg['model'] == 'tiny':
         fail("config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'")
-    if not 0 <= cfg['oracle_forget'] <= 1:
-        fail(f"config key 'oracle_forget' is a probability, in [0, 1], got {cfg['oracle_forget']!r}")
+    for key in ('oracle_forget', 'oracle_detour'):
+        if not 0 <= cfg[key] <= 1:
+            fail(f"config key {key!r} is a probability, in [0, 1], got {cfg[key]!r}")
     if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
         fail(f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
     if cfg['threads'] > (os.cpu_count() or 1):

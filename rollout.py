@@ -147,13 +147,14 @@ def check_done_info(env, info):
                          f"({', '.join(STOPS)})")
 
 
-def record_turn(ep, fmt, context, response, logp, cfg, finish_reason):
+def record_turn(ep, fmt, context, response, logp, cfg, finish_reason, train=True):
     """Append one sampled turn to the episode, step the environment (finish_reason 'stop' or
-    'length', see Simplification 2), append its observation."""
+    'length', see Simplification 2), append its observation. train=False: a scripted mistake that
+    the episode plays but no training row learns (its tokens get action_mask 0)."""
     t = len(ep.turns)
     mem_len = fmt.mem_span(response) if fmt.mem_span else 0  # the sampled memory through </mem>
     ep.turns.append(dict(context=context, response=list(response), logp=list(logp), mem_len=mem_len,
-                         finish=finish_reason))
+                         finish=finish_reason, train=train))
     h, n = ep.hist, len(fmt.turn_prefix)
     h['ids'] += fmt.turn_prefix
     h['owner'] += [OWNER['template']] * n
@@ -213,7 +214,7 @@ def training_rows(ep):
         row['owner'] += [OWNER['policy']] * len(r)
         row['turn'] += [t] * len(r)
         row['logp'] += turn['logp']
-        row['train'] += [1] * len(r)
+        row['train'] += [int(turn['train'])] * len(r)
         row['mem'] += [1] * turn['mem_len'] + [0] * (len(r) - turn['mem_len'])
     out = []
     for row in rows:
@@ -346,7 +347,9 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
     policy is a model (sampled with its KV cache at cfg['temperature'], or `temperature` if given) or
     a list of scripted text policies, one per episode: functions (episode) -> action text, encoded
     through the same token path with log-prob 0, followed by fmt.end_turn (a chat model's end-of-turn
-    token, which the text itself does not write). cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
+    token, which the text itself does not write). A scripted policy may return (text, False) for a
+    demonstrated mistake: played, but never trained on (the warm start learns the recovery only).
+    cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
     whose next context plus a full response would exceed max_len, or that uses max_turns turns, ends
     'truncated' with reward 0. Each turn's finish reason goes to env.step (Simplification 2)."""
     temperature = cfg['temperature'] if temperature is None else temperature
@@ -365,6 +368,7 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
             contexts.append(ctx)
         if not active:
             break
+        train = [True] * len(active)  # False: a scripted mistake, played but not trained on
         if isinstance(policy, torch.nn.Module) and cfg.get('kv_reuse'):
             past = [reusable_cache(eps[i].kv, c[0]) for i, c in zip(active, contexts)]
             with autocast(cfg):
@@ -379,13 +383,15 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
                                             temperature, generator, fmt.pad_id)
             cut = [False] * len(responses)  # generate stops at a stop id or at the budget
         else:
-            full = [fmt.encode(policy[i](eps[i])) + fmt.end_turn for i in active]  # as a model ends its turn
+            acts = [a if isinstance(a, tuple) else (a, True) for a in (policy[i](eps[i]) for i in active)]
+            train = [bool(a[1]) for a in acts]
+            full = [fmt.encode(a[0]) + fmt.end_turn for a in acts]  # as a model ends its turn
             responses = [f[:cfg['max_response_tokens']] for f in full]
             cut = [len(f) > len(r) for f, r in zip(full, responses)]  # even if the cut ends on a stop id
             logps = [[0.0] * len(r) for r in responses]
-        for i, ctx, r, lp, c in zip(active, contexts, responses, logps, cut):
+        for i, ctx, r, lp, c, tr in zip(active, contexts, responses, logps, cut, train):
             reason = 'stop' if r and r[-1] in fmt.stop_ids and not c else 'length'
-            record_turn(eps[i], fmt, ctx, r, lp, cfg, reason)
+            record_turn(eps[i], fmt, ctx, r, lp, cfg, reason, tr)
     return [make_trajectory(ep) for ep in eps]
 
 

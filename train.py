@@ -289,15 +289,15 @@ def evaluate(model, gym_, cfg, step):
     """Held-out success, greedy (one episode per task) and sampled (eval_samples per task); the tasks
     are sharded over ranks and the episode summaries gathered. Sampling uses its own generator, seeded
     by the step, so evaluating never shifts the training run's random streams. A gym with a validation
-    split (the optional gym_['val_tasks']) gets the same on it, eval_val_success (sampled) and
-    eval_val_greedy_success, after held-out and from a generator of its own (another seed), so that
+    split (the optional gym_['val_tasks']) gets the same on it (eval_val_success sampled,
+    eval_val_greedy_success, eval_val_em_k2, ...), after held-out and from a generator of its own (another seed), so that
     every held-out number is the one a gym without it logs. Recipes are chosen on validation, never
     on held-out."""
-    splits = [(gym_['eval_tasks'], 0, 'eval_greedy_success', 'eval_sampled_success')]
+    splits = [(gym_['eval_tasks'], 0, 'eval_greedy_success', 'eval_sampled_success', 'eval_')]
     if gym_.get('val_tasks'):
-        splits.append((gym_['val_tasks'], 1 << 32, 'eval_val_greedy_success', 'eval_val_success'))
+        splits.append((gym_['val_tasks'], 1 << 32, 'eval_val_greedy_success', 'eval_val_success', 'eval_val_'))
     out = {}
-    for split, seed_offset, greedy_key, sampled_key in splits:
+    for split, seed_offset, greedy_key, sampled_key, prefix in splits:
         tasks = split[rank()::world_size()]
         gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] * 7919 + step * 104729 + rank() + seed_offset)
         for key, temp, reps in [(greedy_key, 0.0, 1), (sampled_key, cfg['temperature'], cfg['eval_samples'])]:
@@ -307,8 +307,8 @@ def evaluate(model, gym_, cfg, step):
             check_invalid(trajs, 'evaluation')
             eps = gather([report.summarise(t) for t in trajs])
             out[key] = report.episode_metrics(eps)['success_rate']
-            if key == 'eval_sampled_success':
-                out.update(report.episode_metrics(eps, 'eval_'))
+            if key == sampled_key:
+                out.update(report.episode_metrics(eps, prefix))
     return dict(out, **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
 
 

@@ -31,7 +31,7 @@ from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem,
                  strip_end_marker, validate_format, word_format)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'val_tasks')
+KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -324,6 +324,31 @@ def make_lossy_oracle(rng, p):
     return lambda question, mem, obs: oracle_policy(question, mem, obs, forget=own.random() < p)
 
 
+def with_detour(rng, p, policy):
+    """The warm start's recovery lesson: with probability p the episode makes one wrong search (the
+    pending entity with another relation, at one of its searches drawn at random), which returns
+    'no result' or an unrelated fact; the next turn, policy's own, searches right. The wrong turn is
+    returned as (text, False): rollout plays it and trains on none of its tokens, so the warm start
+    imitates the recovery, never the mistake. The gym's budget (one turn more than the oracle needs)
+    leaves room for exactly one. rng: draws one seed, as make_lossy_oracle."""
+    own, state = random.Random(rng.random()), dict(searches=0, at=None)
+
+    def act(question, mem, obs):
+        if state['at'] is None:  # first turn: one of the episode's searches (one per hop), or none
+            n_searches = sum(len(q.split(" of ")) - 1 for q in question.split(" ; "))
+            state['at'] = own.randrange(n_searches) if own.random() < p else -1
+        text = policy(question, mem, obs)
+        if "<search>" not in text:
+            return text
+        i, state['searches'] = state['searches'], state['searches'] + 1
+        if i != state['at']:
+            return text
+        query = extract_tag("<mem> " + text, "search").split()
+        wrong = own.choice([r for r in RELATIONS if r != " ".join(query[1:])])
+        return text.replace(f"<search> {' '.join(query)} </search>", f"<search> {query[0]} {wrong} </search>"), False
+    return act
+
+
 def any_answer_policy(question, mem, obs):
     """Baseline: answers at once with the root entity of every objective (always wrong type)."""
     roots = " ; ".join(q.split()[-1] for q in question.split(" ; "))
@@ -350,6 +375,7 @@ def play(task, policy, env=None):
     turns, observations = [], []
     while True:
         action = policy(question, mem, obs)
+        action = action[0] if isinstance(action, tuple) else action  # with_detour's (text, False)
         obs, reward, done, info = env.step(action)
         turns.append(action)
         observations.append(obs)
@@ -409,8 +435,11 @@ def setup(cfg, vocab=None):
         tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
         # enable_thinking: no empty think block written into every turn (a <think> is optional here)
         fmt = hf.chat_format(tok, system=SYSTEM_PROMPT, enable_thinking=True, memory=True)
-    p = cfg["oracle_forget"]
-    warm = (lambda rng: folded_policy(make_lossy_oracle(rng, p))) if p else (lambda rng: folded_policy(oracle_policy))
+    p, detour = cfg["oracle_forget"], cfg["oracle_detour"]
+
+    def warm(rng):
+        policy = make_lossy_oracle(rng, p) if p else oracle_policy
+        return folded_policy(with_detour(rng, detour, policy) if detour else policy)
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
                 make_env=MemoryEnv, warm_policy=warm, baselines={},
                 answer_text=answer_text)

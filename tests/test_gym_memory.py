@@ -374,3 +374,31 @@ def test_lossy_oracle_never_writes_what_it_forgot():
     forgot = [g.play(t, g.make_lossy_oracle(random.Random(i), 0.5))[3]["answer"].split(";")[0].strip() == ""
               for i, t in enumerate(tasks)]
     assert 0.4 < sum(forgot) / len(forgot) < 0.6  # objective 1 is forgotten about half the time at p = 0.5
+
+
+def test_detour_oracle_makes_one_untrained_wrong_search_then_recovers_within_the_budget():
+    tasks = g.make_tasks("train", 200, seed=5, n_objectives=(1, 3))
+    for i, t in enumerate(tasks):
+        said = []
+        detour = g.with_detour(random.Random(i), 1.0, g.oracle_policy)
+        turns, obs, reward, info = g.play(t, lambda q, m, o: said.append(detour(q, m, o)) or said[-1])
+        oracle_turns = g.play(t, g.oracle_policy)[0]
+        wrong = [j for j, a in enumerate(said) if isinstance(a, tuple)]
+        assert len(wrong) == 1 and said[wrong[0]][1] is False  # exactly one mistake, marked not to train
+        j = wrong[0]
+        wrong_q, right_q = (gym.extract_tag("<mem> " + turns[k], "search").split() for k in (j, j + 1))
+        assert wrong_q[0] == right_q[0] and wrong_q[1:] != right_q[1:] and " ".join(wrong_q[1:]) in g.RELATIONS
+        assert turns[:j] + turns[j + 1:] == oracle_turns  # every other turn, the recovery included, is the oracle's
+        assert gym.extract_mem("<mem> " + turns[j]) == gym.extract_mem("<mem> " + turns[j + 1])
+        assert info["stop"] == "answer" and reward == len(t.golds) and info["format_ok"], info
+    never = g.with_detour(random.Random(0), 0.0, g.oracle_policy)
+    assert all(g.play(t, never)[0] == g.play(t, g.oracle_policy)[0] for t in tasks[:50])
+    half = [any(isinstance(a, tuple) for a in _said(t, g.with_detour(random.Random(i), 0.5, g.oracle_policy)))
+            for i, t in enumerate(tasks)]
+    assert 0.4 < sum(half) / len(half) < 0.6
+
+
+def _said(task, policy):
+    said = []
+    g.play(task, lambda q, m, o: said.append(policy(q, m, o)) or said[-1])
+    return said

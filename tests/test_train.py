@@ -177,6 +177,7 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     assert [r['step'] for r in rows] == [0, 1, 2]
     assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
     assert all(0 <= r['eval_val_success'] <= 1 and 'eval_val_greedy_success' in r for r in (rows[0], last))  # --val_tasks
+    assert all(r['eval_val_success_rate'] == r['eval_val_success'] and 'eval_val_em_k1' in r for r in (rows[0], last))
     assert p.stdout.count(f", format ok {last['eval_format_ok']:.3f} (turns {last['eval_turn_format_ok']:.3f})") >= 1
     for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_reward_time_s', 'mem_tokens_mean',
                 'tt', 'pt', 'em', 'f1'):

@@ -125,3 +125,16 @@ def test_a_model_without_the_stop_token_or_a_template_that_cannot_render_stops_a
     qwen.chat_template = "{{ raise_exception('this template has no tool role') }}"
     with pytest.raises(ValueError, match="chat template cannot render the gym's turns .*no tool role"):
         hf.chat_format(qwen, memory=True)
+
+
+def test_a_demonstrated_mistake_is_played_but_not_trained(run):
+    """oracle_detour: the wrong search's tokens weigh 0, the recovery and every other turn train."""
+    cfg, g0, tasks, _ = run
+    cfg = dict(cfg, oracle_detour=1.0)
+    g = load_gym(cfg, None, config)
+    trajs = run_tasks([g['warm_policy'](random.Random(i)) for i in range(len(tasks))], g, cfg, tasks)
+    am = collate(trajs, g['fmt'].pad_id)['action_mask']
+    for task, t in zip(tasks, trajs):
+        assert t.info['stop'] == 'answer' and t.reward == len(task.golds)
+        assert [tr['train'] for tr in t.turns].count(False) == 1
+    assert am.sum() == sum(len(tr['response']) for t in trajs for tr in t.turns if tr['train'])
