@@ -111,13 +111,13 @@ def parse_value(key, raw, default):
         fail(f'--{key}={raw}: cannot parse the value')
 
 
-def check_key(key, value, cfg):
+def check_key(key, value, cfg, where=''):
     """value, type-checked against cfg[key] (ints are accepted for floats); exits 2 on an unknown key or
-    a wrong type."""
+    a wrong type, the line starting with `where` (the config file it came from, or nothing)."""
     if key not in cfg:
         close = [k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1] or \
             difflib.get_close_matches(key, list(cfg), n=1)  # lr_rate -> lr (not lora_rank), stpes -> steps
-        fail(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
+        fail(f"{where}unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
     default = cfg[key]
     ok_types = TYPES.get(key, (type(default),))
     if float in ok_types and isinstance(value, str):
@@ -132,7 +132,7 @@ def check_key(key, value, cfg):
     else:
         ok = isinstance(value, ok_types)
     if not ok:
-        fail(f"config key '{key}' expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
+        fail(f"{where}config key '{key}' expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
     return float(value) if float in ok_types and not isinstance(value, bool) else value
 
 
@@ -205,7 +205,7 @@ def load_config(argv, defaults=config):
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
         else:
             for key, value in read_config_file(arg, argv).items():
-                cfg[key] = check_key(key, value, cfg)
+                cfg[key] = check_key(key, value, cfg, f'config file {arg}: ')
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")

@@ -15,7 +15,8 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
         train_tasks   non-empty lists of tasks (any objects the env's reset takes); eval_tasks are
         eval_tasks    the held-out ones
         make_env      () -> a fresh env
-        warm_policy   rng -> a scripted policy (episode -> action text) to warm-start from, or None
+        warm_policy   rng -> a scripted policy (episode -> action text) to warm-start from, or None;
+                      a turn it returns as (text, False) is played but not trained on (a mistake)
         baselines     {name: exact held-out success rate} of reference policies, may be empty
         answer_text   task -> the gold answer as the policy writes it ('<answer> a1 ; a2 </answer>'),
                       or None: the turns write no <mem> and mem_coef must be 0. A gym that has one
@@ -27,6 +28,7 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
 An env (make_env()) has
     reset(task) -> the prompt text
     step(action_text, finish='stop') -> (observation text, reward float, done bool, info dict)
+        reward is the episode's outcome, given with done=True (0 before: GymContractError otherwise).
         action_text is the policy's decoded turn. finish is 'length' when the turn reached
         max_response_tokens without its stop token: the env then runs no tool and answers as to a
         malformed turn (a turn used). When done, info holds `success` (bool, the task solved) and

@@ -15,7 +15,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from gym import TRUNCATED
+from gym import TRUNCATED, fail
 
 CURVES = 'curves.png'        # file names inside out_dir
 EPISODES = 'episodes.html'
@@ -80,10 +80,12 @@ def save_checkpoint(state, out_dir, step, keep):
     return path
 
 
-def load_latest_checkpoint(out_dir):
+def load_latest_checkpoint(out_dir, if_all_corrupt):
     """The newest checkpoint in out_dir that loads; a corrupt one is reported and skipped.
-    Returns (state, path) or (None, None) when there is none."""
-    for path in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')), reverse=True):
+    Returns (state, path) or (None, None) when there is none. When there are checkpoints but none
+    loads, exits 2 with one line ending in the caller's advice `if_all_corrupt`: nothing is deleted."""
+    paths = sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')), reverse=True)
+    for path in paths:
         try:
             state = torch.load(path, map_location='cpu', weights_only=False)
             if not isinstance(state, dict) or not {'model', 'step', 'config'} <= set(state):
@@ -91,6 +93,8 @@ def load_latest_checkpoint(out_dir):
             return state, path
         except Exception as e:
             print(f'checkpoint {path} is corrupt ({type(e).__name__}); trying the previous one', file=sys.stderr)
+    if paths:
+        fail(f"no checkpoint in {out_dir} loads (all corrupt, see above); move them away or {if_all_corrupt}")
     return None, None
 
 

@@ -176,6 +176,9 @@ def record_turn(ep, fmt, context, response, logp, cfg, finish_reason, train=True
     if done:
         check_done_info(ep.env, info)  # outside the try: a gym that breaks the contract stops the run
         return finish(ep, reward, info)
+    if reward != 0:  # the outcome is per episode: a reward before done would be dropped without a word
+        raise GymContractError(f"{type(ep.env).__name__}.step returned reward {reward!r} before done; "
+                               f"rewards are per episode, given with done=True")
     if t + 1 >= cfg['max_turns']:
         return finish(ep, 0.0, info, stop='truncated')
     if not isinstance(obs, str):  # the contract (gym.py); encoding it would fail deep inside the tokenizer

@@ -25,7 +25,6 @@ Simplifications, on purpose:
 3. Evaluation runs one rollout batch at a time, no sharding over processes.
 """
 
-import glob
 import html
 import json
 import os
@@ -58,6 +57,8 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
     if split not in ('heldout', 'train'):
         raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
     pool = gym_['eval_tasks' if split == 'heldout' else 'train_tasks']
+    if n > len(pool):
+        print(f"note: --n={n} is more than the {len(pool)} {split} tasks, so some tasks repeat")
     rng = random.Random(cfg['seed'])
     tasks = rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
     if generator is None:
@@ -268,9 +269,7 @@ def load_run(rest, untrained=False):
     from_run = untrained and os.path.isfile(saved)
     if from_run:  # the run's gym and model, before its training
         cfg = run_config(rest, json.load(open(saved)))
-    state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'])
-    if state is None and not untrained and glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')):
-        fail(f"no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); move them away or add --untrained")
+    state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides

@@ -393,9 +393,10 @@ def check_out_dir(cfg, state):
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
     if state is not None and state['step'] > cfg['steps']:
         fail(f"--resume=True: the newest checkpoint is at step {state['step']}, past steps={cfg['steps']}")
-    if cfg['resume'] and state is None and old:  # never delete what could not be read
-        fail(f"--resume=True: no checkpoint in {cfg['out_dir']} loads (all corrupt, see above); "
-             f"move them away or run without --resume")
+    for key in ('gym', 'model'):  # another gym's vocabulary or another model's weights would not load anyway
+        if state is not None and state['config'].get(key) != cfg[key]:
+            fail(f"--resume=True: {cfg['out_dir']} was trained with {key} {state['config'].get(key)!r}, "
+                 f"not {cfg[key]!r}; choose another out_dir for a new run")
     if cfg['resume'] and not old and metrics:  # killed before its first checkpoint, or they were moved away
         fail(f"--resume=True: {cfg['out_dir']} holds metrics.jsonl but no checkpoint to continue from; "
              f"--overwrite=True replaces the run, or choose another out_dir")
@@ -485,7 +486,7 @@ def init_run(cfg):
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     gym_module(cfg, config)  # an unknown gym or a key it ignores: one line, before anything is printed or made
-    ckpt = report.load_latest_checkpoint(cfg['out_dir']) if cfg['resume'] else (None, None)
+    ckpt = report.load_latest_checkpoint(cfg['out_dir'], 'run without --resume') if cfg['resume'] else (None, None)
     check_out_dir(cfg, ckpt[0])  # an earlier run in out_dir: likewise
     if rank() == 0:
         print(json.dumps(cfg))

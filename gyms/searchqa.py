@@ -126,9 +126,12 @@ def make_tasks(split, seed=0, source='hotpotqa', heldout_frac=0.2, n_objectives=
     (Bamboogle is an evaluation set: use heldout_frac=1.0 and split='heldout').
     n_objectives > 1 joins that many questions into one multi-objective task ('q1 ; q2',
     answered 'a1; a2'), as MemPO's multi-objective training does.
-    Raises ValueError when the split is empty (or anything load_jsonl_questions raises).
+    Raises ValueError when the split is empty, FileNotFoundError listing the named sets when source is
+    neither a name nor a file (or anything load_jsonl_questions raises).
     """
     path = SOURCES.get(source, source)
+    if source not in SOURCES and not Path(path).is_file():
+        raise FileNotFoundError(f"data {source!r}: no such file, and not a named set ({', '.join(SOURCES)})")
     tasks = split_tasks(load_jsonl_questions(path), split, heldout_frac)
     if not tasks:
         raise ValueError(f'{path}: split {split!r} is empty (heldout_frac={heldout_frac})')

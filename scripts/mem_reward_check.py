@@ -56,7 +56,7 @@ def probe(model, gym_, cfg, trajs):
 def check(out_dir, n_tasks=64):
     """probe() of one sampled episode on each of n_tasks training tasks (seeded) by the newest checkpoint
     in out_dir, with its step. Exits 2 with one line without a checkpoint or for another gym's run."""
-    state, path = report.load_latest_checkpoint(out_dir)
+    state, path = report.load_latest_checkpoint(out_dir, 'name another run')
     if state is None:
         fail(f'no checkpoint in {out_dir}')
     cfg = load_config([], dict(config, **state['config']))

@@ -86,7 +86,10 @@ def test_bad_yaml_file_exit_2(tmp_path):
     wrong = tmp_path / 'wrong.yaml'
     wrong.write_text('lr: fast\n')
     p = run_train(str(wrong))
-    assert p.returncode == 2 and "config key 'lr' expects float, got 'fast'" in p.stderr
+    assert p.returncode == 2 and f"error: config file {wrong}: config key 'lr' expects float, got 'fast'" in p.stderr
+    wrong.write_text('stpes: 3\n')
+    p = run_train(str(wrong))
+    assert p.returncode == 2 and f"error: config file {wrong}: unknown config key 'stpes' (did you mean 'steps'?)" in p.stderr
 
 
 def test_config_order_defaults_file_cli(tmp_path):
@@ -104,7 +107,7 @@ def test_config_order_defaults_file_cli(tmp_path):
 
 
 @pytest.mark.parametrize('content, needle', [
-    (None, 'no such file'),
+    (None, "no such file, and not a named set (hotpotqa, bamboogle)"),
     ('{"id": "a", "question": "q?", "answers": ["x"]}\n{"id": "b", "question": \n', 'bad.jsonl:2'),
     ('{"id": "a", "question": "q?", "answers": []}\n', 'bad.jsonl:1'),
     ('', 'bad.jsonl'),

@@ -254,6 +254,19 @@ def test_a_step_without_text_stops_in_one_line(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and err == 'error: warm start: GuessEnv.step returned a NoneType observation, not text (str)\n'
 
 
+def test_a_reward_before_the_episode_ends_stops_in_one_line(tmp_path, monkeypatch, capsys):
+    """Rewards are per episode: a forked gym that pays per turn had those rewards dropped without a word."""
+    import gyms.example as ex
+    import train
+    step = ex.GuessEnv.step
+    monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, *a: (lambda o, r, d, i: (o, r if d else 0.5, d, i))(*step(self, *a)))
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ('error: warm start: GuessEnv.step returned reward 0.5 before done; rewards are '
+                                         'per episode, given with done=True\n')
+
+
 def test_an_update_gone_non_finite_logs_no_loss_and_stops(tmp_path, capsys):
     """lr 1e30: the first update makes the weights non-finite, every later optimizer step is skipped.
     Those steps log loss and grad_norm as null (they logged 0.0, a flat healthy-looking curve), and

@@ -323,3 +323,11 @@ def test_only_corrupt_checkpoints_say_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f'no checkpoint in {tmp_path} loads (all corrupt' in err
     assert (tmp_path / 'ckpt_000002.pt').read_bytes() == b'not a checkpoint'
+
+
+def test_more_episodes_than_tasks_says_that_tasks_repeat(memory, capsys):
+    cfg, g, model, _, _ = memory
+    capsys.readouterr()
+    assert len(sample.run_episodes(model, g, cfg, 'heldout', 8)) == 8 and 'repeat' not in capsys.readouterr().out
+    trajs = sample.run_episodes(model, g, cfg, 'heldout', 10)
+    assert len(trajs) == 10 and 'note: --n=10 is more than the 8 heldout tasks, so some tasks repeat' in capsys.readouterr().out

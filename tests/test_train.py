@@ -84,11 +84,12 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
     for c in ckpts:
         c.write_bytes(b'not a checkpoint')
     p = train(tmp_path, '--steps=4', '--resume=True', check=False)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith('error: --resume=True: no checkpoint in')
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        f'error: no checkpoint in {tmp_path} loads (all corrupt, see above); move them away or run without --resume')
     assert sorted(tmp_path.glob('ckpt_*.pt')) == ckpts and all(c.read_bytes() == b'not a checkpoint' for c in ckpts)
     torch.save({'model': {}}, ckpts[-1])  # a dict with weights but no step is not ours either (it was a KeyError)
     p = train(tmp_path, '--steps=4', '--resume=True', check=False)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith('error: --resume=True: no checkpoint in')
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f'error: no checkpoint in {tmp_path} loads')
     for c in ckpts:  # killed before its first checkpoint: metrics.jsonl alone is nothing to continue from
         c.unlink()
     p = train(tmp_path, '--steps=4', '--resume=True', check=False)
@@ -100,6 +101,10 @@ def test_resume_with_another_model_size_names_the_key(tmp_path):
     train(tmp_path, '--steps=1')
     p = train(tmp_path, '--steps=2', '--resume=True', '--n_embd=64', check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
+    p = train(tmp_path, '--steps=2', '--resume=True', '--gym=memory', check=False,
+              small=[a for a in SMALL if a != '--train_variants=2'])  # a bugfix key
+    assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with gym 'bugfix', not "
+                                              "'memory'; choose another out_dir for a new run\n")
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
@@ -142,7 +147,7 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
     for step in (5, 6):
         report.save_checkpoint(dict(model={}, step=step, config={}), str(tmp_path), step, 1)
     assert sorted(p.name for p in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000006.pt', 'ckpt_000010.pt']
-    assert report.load_latest_checkpoint(str(tmp_path))[0]['step'] == 6
+    assert report.load_latest_checkpoint(str(tmp_path), 'unused')[0]['step'] == 6
     report.save_checkpoint(dict(model={}, step=10, config={}), str(tmp_path), 10, 1)  # this run reaches step 10
     assert [p.name for p in tmp_path.glob('ckpt_*.pt')] == ['ckpt_000010.pt']
 
