@@ -216,7 +216,7 @@ def load_config(argv, defaults=config):
         if cfg[key] < 1:
             fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
     for key in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
-                'train_generated', 'eval_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
+                'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
                 'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):
         if cfg[key] < 0:
             fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")

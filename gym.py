@@ -100,12 +100,16 @@ def gym_module(cfg, defaults=None):
     for attr in ('MODEL', 'KEYS'):
         if not hasattr(mod, attr):
             fail(f"gyms/{name}.py defines no {attr} (gym.py lists what a gym module defines)")
+    if mod.MODEL not in ('tiny', 'hf', 'any'):
+        fail(f"gyms/{name}.py: MODEL is {mod.MODEL!r}; it must be 'tiny', 'hf' or 'any'")
     if mod.MODEL == 'tiny' and cfg['model'] != 'tiny':
         fail(f"gym {name!r} builds its own word vocabulary for model: tiny, not {cfg['model']!r}")
     if mod.MODEL == 'hf' and cfg['model'] == 'tiny':
         fail(f"gym {name!r} needs a Hugging Face chat model (model: tiny-qwen3, smollm2 or a name/path)")
+    if defaults and set(mod.KEYS) - set(defaults):
+        fail(f"gyms/{name}.py lists {sorted(set(mod.KEYS) - set(defaults))[0]!r} in KEYS, but config.py has no default for it")
     for key in sorted({k for m in gyms.values() for k in getattr(m, 'KEYS', ())} - set(mod.KEYS)) if defaults else []:
-        if cfg[key] != defaults[key]:  # set on purpose, yet this gym would silently ignore it
+        if key in defaults and cfg[key] != defaults[key]:  # set on purpose, yet this gym would silently ignore it
             fail(f"config key {key!r} is not used by gym {name!r}")
     if cfg['mem_coef'] > 0 and getattr(mod, 'answer_text', None) is None:
         mem = ', '.join(n for n, m in gyms.items() if getattr(m, 'answer_text', None) is not None)

@@ -65,16 +65,18 @@ def episode_metrics(eps, prefix=''):
 # checkpoints: one dict (model, optimizer, step, config, RNG states, reference, vocabulary)
 
 
+CHECKPOINTS = 'ckpt_' + '[0-9]' * 6 + '.pt'  # the glob of this project's checkpoints: never a user's ckpt_best.pt
+
+
 def save_checkpoint(state, out_dir, step, keep):
     """Write ckpt_<step>.pt atomically (temporary file, then rename) and keep the newest `keep` up to
-    this step. A checkpoint of a later step (a corrupt one that --resume skipped) is neither counted
-    nor removed: it would otherwise push out the one just written; this run overwrites it when it
-    reaches that step."""
+    this step. A checkpoint of a later step is neither counted nor removed: it would otherwise push out
+    the one just written (a resume renames those it skipped as corrupt to *.corrupt)."""
     path = os.path.join(out_dir, f'ckpt_{step:06d}.pt')
     tmp = path + '.tmp'
     torch.save(state, tmp)
     os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt'))) if p <= path]  # zero-padded names
+    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS))) if p <= path]  # zero-padded names
     for old in mine[:-keep]:
         os.remove(old)
     return path
@@ -84,7 +86,7 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
     """The newest checkpoint in out_dir that loads; a corrupt one is reported and skipped.
     Returns (state, path) or (None, None) when there is none. When there are checkpoints but none
     loads, exits 2 with one line ending in the caller's advice `if_all_corrupt`: nothing is deleted."""
-    paths = sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')), reverse=True)
+    paths = sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS)), reverse=True)
     for path in paths:
         try:
             state = torch.load(path, map_location='cpu', weights_only=False)
@@ -96,6 +98,21 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
     if paths:
         fail(f"no checkpoint in {out_dir} loads (all corrupt, see above); move them away or {if_all_corrupt}")
     return None, None
+
+
+def load_weights(model, state, cfg, path, opt=None):
+    """Load a checkpoint's model (and optimizer) state; a checkpoint that does not fit cfg (another
+    model, size or gym: the checkpoint's state['config']) exits 2 with one line naming what differs."""
+    try:
+        model.load_state_dict(state['model'])
+        if opt is not None:
+            opt.load_state_dict(state['optimizer'])
+    except (RuntimeError, ValueError, KeyError) as e:
+        was = state.get('config', {})
+        changed = [f'{k} {was[k]!r} there, {cfg[k]!r} here' for k in ('model', 'n_layer', 'n_head', 'n_embd', 'max_len',
+                                                                     'lora_rank', 'gym') if k in was and was[k] != cfg[k]]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        fail(f'{path} does not fit this config: {"; ".join(changed) or lines[min(1, len(lines) - 1)]}')
 
 
 # -----------------------------------------------------------------------------
@@ -238,7 +255,8 @@ def log_external(cfg, log, step):
 
 
 def run_summary(out_dir, cfg, wall_s):
-    """A few lines for the end of a run: steps, wall time, tokens processed, best held-out score,
+    """A few lines for the end of a run: steps, wall time, tokens processed, best held-out (and
+    validation) score,
     the paths of the newest checkpoint, metrics and curves (marked when missing), and the command
     that shows the policy's episodes."""
     metrics = os.path.join(out_dir, 'metrics.jsonl')
@@ -251,7 +269,7 @@ def run_summary(out_dir, cfg, wall_s):
              f"  steps        {steps} / {cfg.get('steps')}",
              f"  wall time    {int(wall_s // 60)}m {wall_s % 60:.0f}s",
              f"  tokens       {tokens / 1e6:.2f}M processed (contexts + responses, RL steps)"]
-    for key in ('eval_success_rate', 'eval_greedy_success'):
+    for key in ('eval_success_rate', 'eval_greedy_success', 'eval_val_success'):  # choose on validation
         pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
         if pts:
             best, at = max(pts, key=lambda p: (p[0], -p[1]))
@@ -259,7 +277,7 @@ def run_summary(out_dir, cfg, wall_s):
     base = {k[len('eval_baseline_'):]: v for r in rows for k, v in r.items() if k.startswith('eval_baseline_')}
     if base:
         lines.append('  baselines    ' + ', '.join(f'{k} {v:.3f}' for k, v in sorted(base.items())))
-    ckpts = sorted(glob.glob(os.path.join(out_dir, 'ckpt_*.pt')))
+    ckpts = sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS)))
     last = os.path.join(out_dir, f'ckpt_{steps:06d}.pt')  # this run's last save, not a stray newer-named file
     for name, path in [('checkpoint', last if last in ckpts else ckpts[-1] if ckpts else os.path.join(out_dir, 'ckpt_*.pt')),
                        ('metrics', metrics), ('curves', os.path.join(out_dir, CURVES))]:

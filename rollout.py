@@ -25,6 +25,7 @@ Simplifications, on purpose:
 """
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -119,10 +120,8 @@ def context_of(ep, fmt, keep_tool_results):
 def finish(ep, reward, info, stop=None):
     ep.done, ep.kv = True, None
     ep.info = dict(info or {})
-    try:
-        ep.reward = float(reward)
-    except (TypeError, ValueError):
-        ep.reward = math.nan
+    is_number = isinstance(reward, numbers.Real) and not isinstance(reward, bool)  # numpy's too; not '1', not True
+    ep.reward = float(reward) if is_number else math.nan
     if not math.isfinite(ep.reward):  # a NaN reward would poison its group's mean and std
         ep.info.setdefault('error', f'reward {reward!r} is not a finite number')
         ep.reward, ep.valid = 0.0, False
@@ -169,10 +168,14 @@ def record_turn(ep, fmt, context, response, logp, cfg, finish_reason, train=True
     action = fmt.decode(response)
     ep.actions.append(action)
     try:
-        obs, reward, done, info = ep.env.step(action, finish_reason)
+        out = ep.env.step(action, finish_reason)
     except Exception as e:  # an environment that raises invalidates its episode, not the run
         ep.valid = False
         return finish(ep, 0.0, {'error': f'{type(e).__name__}: {e}'}, stop='env_error')
+    if not (isinstance(out, tuple) and len(out) == 4):  # the contract (gym.py), broken in every episode
+        raise GymContractError(f"{type(ep.env).__name__}.step returned {type(out).__name__}"
+                               f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not (observation, reward, done, info)")
+    obs, reward, done, info = out
     if done:
         check_done_info(ep.env, info)  # outside the try: a gym that breaks the contract stops the run
         return finish(ep, reward, info)
@@ -387,7 +390,11 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
             cut = [False] * len(responses)  # generate stops at a stop id or at the budget
         else:
             acts = [a if isinstance(a, tuple) else (a, True) for a in (policy[i](eps[i]) for i in active)]
-            train = [bool(a[1]) for a in acts]
+            for a in acts:
+                if len(a) != 2 or not isinstance(a[0], str) or a[1] not in (True, False):
+                    raise GymContractError(f"a scripted policy returned {a[0] if a[1] is True else a!r}; it returns "
+                                           f"the turn's text, or (text, False) for a mistake not to train on")
+            train = [a[1] for a in acts]
             full = [fmt.encode(a[0]) + fmt.end_turn for a in acts]  # as a model ends its turn
             responses = [f[:cfg['max_response_tokens']] for f in full]
             cut = [len(f) > len(r) for f, r in zip(full, responses)]  # even if the cut ends on a stop id

@@ -11,7 +11,7 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
     python sample.py config/smollm2_hotpotqa.yaml --eval --eval_tasks=50 --untrained   # zero-shot
     python sample.py --out_dir=out/q --eval --sampled --samples=4 --json=eval.json
 
-Flags of this script: --split=heldout|train --n=4 --html=FILE --greedy --untrained --metrics_rollout=FILE
+Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --metrics_rollout=FILE
 --curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
 --samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE. Every other argument (a YAML file, --key=value) is train.py's config, on top of the
@@ -50,13 +50,23 @@ OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, met
 # running episodes
 
 
+SPLITS = {'heldout': 'eval_tasks', 'train': 'train_tasks', 'val': 'val_tasks'}  # --split -> the gym's tasks
+SPLIT_NAMES = {'heldout': 'held-out', 'train': 'training', 'val': 'validation'}
+
+
+def split_tasks(gym_, split):
+    """The tasks of split 'heldout', 'train' or 'val' (the memory gym's val_tasks); exits 2 with one
+    line when the gym has none."""
+    if not gym_.get(SPLITS.get(split)):
+        fail(f"--split={split}: the gym has no such tasks" + (' (set --val_tasks=N)' if split == 'val' else ''))
+    return gym_[SPLITS[split]]
+
+
 def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator=None):
     """n episodes of `model` on tasks drawn (seeded by cfg['seed']) from the gym's split -> list of
     Trajectory. A generator of its own by default, so the caller's RNG streams stay untouched.
-    Raises ValueError on an unknown split."""
-    if split not in ('heldout', 'train'):
-        raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
-    pool = gym_['eval_tasks' if split == 'heldout' else 'train_tasks']
+    Exits 2 on a split the gym does not have."""
+    pool = split_tasks(gym_, split)
     if n > len(pool):
         print(f"note: --n={n} is more than the {len(pool)} {split} tasks, so some tasks repeat")
     rng = random.Random(cfg['seed'])
@@ -68,12 +78,12 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
 
 
 @torch.no_grad()
-def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16):
-    """Every held-out task of gym_, `samples` times, `batch` episodes per rollout batch. Returns
+def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16, split='heldout'):
+    """Every task of gym_'s split (held-out by default), `samples` times, `batch` episodes per rollout batch. Returns
     (metrics dict, trajectories): train.py's episode metrics (format validity among them) plus turns,
     invalid turns and stop reasons. Sampling draws from a generator seeded by cfg['seed']: the same arguments give
     the same numbers on CPU."""
-    tasks = gym_['eval_tasks']
+    tasks = split_tasks(gym_, split)
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
     per = max(1, batch // samples)  # tasks per rollout batch; a task's samples stay together
     trajs = []
@@ -235,8 +245,8 @@ def parse_args(argv, defaults=OPTIONS):
     """Split argv into this script's options (`defaults`: names and default values) and the rest
     (train.py's config arguments). Exits 2 with one line on a bad option."""
     opts, rest = parse_options(argv, defaults)
-    if opts['split'] not in ('heldout', 'train'):
-        fail(f"--split must be heldout or train, got {opts['split']!r}")
+    if opts['split'] not in SPLITS:
+        fail(f"--split must be {', '.join(SPLITS)}, got {opts['split']!r}")
     for key in ('n', 'samples', 'batch'):
         if opts[key] < 1:
             fail(f"--{key} must be >= 1, got {opts[key]}")
@@ -286,7 +296,7 @@ def load_run(rest, untrained=False):
     except OSError as e:
         fail(str(e))
     if state is not None:
-        model.load_state_dict(state['model'])
+        report.load_weights(model, state, cfg, path)
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
         f"untrained {cfg['model']} (--untrained{', the config of ' + saved if from_run else ''})"
     print(f'policy: {policy}')
@@ -310,19 +320,20 @@ def load_dump(path, rest):
 
 
 def main_eval(opts, rest):
-    """--eval: every held-out task; prints one line of numbers and their JSON, returns the dict."""
+    """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
     cfg, gym_, model, policy = load_run(rest, opts['untrained'])
-    numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'])
+    numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'])
     for t in trajs[:opts['show']]:
         print_episode(t, gym_['tok'])
     settings = {k: cfg[k] for k in ('gym', 'model', 'data', 'prompt_style', 'keep_tool_results', 'max_turns',
                                     'max_response_tokens', 'max_obs_tokens', 'max_len', 'enable_thinking')}
     result = dict(policy=policy, **settings, decoding='sampled' if opts['sampled'] else 'greedy',
-                  temperature=cfg['temperature'] if opts['sampled'] else 0.0, tasks=len(gym_['eval_tasks']),
+                  temperature=cfg['temperature'] if opts['sampled'] else 0.0, split=opts['split'],
+                  tasks=numbers['episodes'] // opts['samples'],
                   samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
     keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']
-    print(f"{policy} on {result['tasks']} held-out {cfg['gym']} tasks x {opts['samples']}, {result['decoding']}, "
+    print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {opts['samples']}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "
           + ', '.join(f'{k} {result[k]:.3f}' if isinstance(result[k], float) else f'{k} {result[k]}'
                       for k in keys if k in result))

@@ -304,7 +304,7 @@ def evaluate(model, gym_, cfg, step):
             per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
             trajs = [t for i in range(0, len(tasks), per_batch)
                      for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
-            check_invalid(trajs, 'evaluation')
+            check_invalid(trajs, f"evaluation ({'greedy' if temp == 0 else 'sampled'})")
             eps = gather([report.summarise(t) for t in trajs])
             out[key] = report.episode_metrics(eps)['success_rate']
             if key == sampled_key:
@@ -389,14 +389,14 @@ def check_out_dir(cfg, state):
     """Stop (exit 2, one line) before a fresh run would replace an earlier run in out_dir without
     overwrite=True, or when --resume finds only checkpoints that do not load. state: the loaded
     checkpoint or None. Runs before the gym's set-up, so a refusal costs no time."""
-    old = glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt'))
+    old = glob.glob(os.path.join(cfg['out_dir'], report.CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
+    for key in ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks'):  # other weights, other tasks: another run
+        if state is not None and state['config'].get(key, cfg[key]) != cfg[key]:
+            fail(f"--resume=True: {cfg['out_dir']} was trained with {key} {state['config'][key]!r}, "
+                 f"not {cfg[key]!r}; choose another out_dir for a new run")
     if state is not None and state['step'] > cfg['steps']:
         fail(f"--resume=True: the newest checkpoint is at step {state['step']}, past steps={cfg['steps']}")
-    for key in ('gym', 'model'):  # another gym's vocabulary or another model's weights would not load anyway
-        if state is not None and state['config'].get(key) != cfg[key]:
-            fail(f"--resume=True: {cfg['out_dir']} was trained with {key} {state['config'].get(key)!r}, "
-                 f"not {cfg[key]!r}; choose another out_dir for a new run")
     if cfg['resume'] and not old and metrics:  # killed before its first checkpoint, or they were moved away
         fail(f"--resume=True: {cfg['out_dir']} holds metrics.jsonl but no checkpoint to continue from; "
              f"--overwrite=True replaces the run, or choose another out_dir")
@@ -412,8 +412,11 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
     deletes another run's checkpoints unless overwrite=True. ckpt: load_latest_checkpoint()'s (state,
     path), or (None, None). Returns (start step, ref_model or None)."""
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
-    old = sorted(glob.glob(os.path.join(cfg['out_dir'], 'ckpt_*.pt')))
+    old = sorted(glob.glob(os.path.join(cfg['out_dir'], report.CHECKPOINTS)))
     state, path = ckpt
+    for p in [p for p in old if path is not None and p > path] if rank() == 0 else []:  # skipped as corrupt:
+        os.replace(p, p + '.corrupt')  # kept, but out of the rotation, which would keep it and drop a good one
+        print(f"--resume=True: {p} did not load; renamed to {os.path.basename(p)}.corrupt")
     if cfg['resume'] and state is None and rank() == 0:
         print(f"--resume=True: no checkpoint in {cfg['out_dir']}, starting from scratch")
     if state is None:
@@ -440,15 +443,7 @@ def start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt):
             report.log_external(cfg, log0, 0)
         save(cfg, 0, model, opt, ref_model, gym_, rng, gen)  # --resume skips the warm start (SmolLM2: half an hour)
         return 0, ref_model
-    try:
-        model.load_state_dict(state['model'])
-        opt.load_state_dict(state['optimizer'])
-    except (RuntimeError, ValueError, KeyError) as e:
-        was = state.get('config', {})
-        changed = [f'{k} {was[k]!r} there, {cfg[k]!r} here' for k in ('model', 'n_layer', 'n_head', 'n_embd', 'max_len',
-                                                                     'lora_rank', 'gym') if k in was and was[k] != cfg[k]]
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-        fail(f'{path} does not fit this config: {"; ".join(changed) or lines[min(1, len(lines) - 1)]}')
+    report.load_weights(model, state, cfg, path, opt)
     ref_model = reference_of(model) if cfg['kl_coef'] else None
     if ref_model is not None and ref_model is not model:  # a copy of its own (LoRA's is the base weights)
         if state.get('ref_model') is not None:
@@ -529,9 +524,11 @@ def main(argv):
     gym_, model, rng, gen, ckpt = init_run(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
-    if master:  # before the warm start: a run stopped during it still says what it was
+    if master and ckpt[0] is None:  # before the warm start: a run stopped during it still says what it was
         json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
     start, ref_model = start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt)
+    if master and ckpt[0] is not None:  # only once the checkpoint fits: a refused resume leaves the run as it was
+        json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     if master:
         metrics_file = open(metrics_path, 'a')

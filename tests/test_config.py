@@ -54,6 +54,8 @@ def run_train(*args):
     (['config/tiny_mem.yaml', '--max_objectives=0'], "config key 'max_objectives' must be >= 1, got 0"),
     (['--eval_tasks=49'], "config key 'eval_tasks' asks for 49 held-out tasks; gym 'bugfix' has 48 (0 = all of them)"),
     (['--gym=memory', '--oracle_forget=1.5'], "config key 'oracle_forget' is a probability, in [0, 1], got 1.5"),
+    (['--gym=memory', '--oracle_detour=-0.1'], "config key 'oracle_detour' is a probability, in [0, 1], got -0.1"),
+    (['--gym=memory', '--val_tasks=-3'], "config key 'val_tasks' must be >= 0, got -3"),
     (['--gym=quixbugs', '--model=tiny-qwen3', '--chat_template=no/such.jinja'],
      "config key 'chat_template': cannot read 'no/such.jinja'"),
 ])

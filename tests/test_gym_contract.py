@@ -196,8 +196,8 @@ def test_reset_must_return_the_prompt_text():
 
 
 def test_a_gym_whose_step_breaks_in_every_episode_stops_with_one_line(tmp_path, monkeypatch, capsys):
-    """A forked gym whose step returns 3 values (or raises) in every episode used to train 'successfully'
-    on invalid episodes with success 0; now the warm start stops with the first episode's error."""
+    """A forked gym whose step returns 3 values in every episode used to train 'successfully' on invalid
+    episodes with success 0; now the first such step stops the run with one line naming the env."""
     import gyms.example as ex
     import train
     monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, action, finish='stop': ('obs', 0.0, False))
@@ -205,7 +205,7 @@ def test_a_gym_whose_step_breaks_in_every_episode_stops_with_one_line(tmp_path, 
         train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count('\n') == 1, err
-    assert err.startswith('error: warm start: every episode is invalid; the first: ValueError: not enough values to unpack')
+    assert err == 'error: warm start: GuessEnv.step returned tuple of 3, not (observation, reward, done, info)\n'
 
 
 def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, monkeypatch, capsys):
@@ -280,3 +280,54 @@ def test_an_update_gone_non_finite_logs_no_loss_and_stops(tmp_path, capsys):
     first, second = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')][1:]
     assert first['bad_steps'] == 1 and first['loss'] > 0 and first['grad_norm'] > 0  # its first mini-batch stepped
     assert second['bad_steps'] == 2 and second['loss'] is None and second['grad_norm'] is None  # both skipped
+
+
+class _OneTurn:
+    """An env whose only turn ends the episode with a given reward."""
+    def __init__(self, reward=1.0):
+        self.reward = reward
+
+    def reset(self, task):
+        return 'x'
+
+    def step(self, action, finish='stop'):
+        return '', self.reward, True, dict(success=True, stop='over')
+
+
+def test_a_reward_that_is_not_a_number_makes_the_episode_invalid():
+    fmt, cfg = word_format(build_tokenizer(['x'])), dict(config, max_turns=2)
+    for reward, valid in (('1', False), (True, False), (None, False), (float('nan'), False), (1, True), (0.5, True)):
+        t = rollout_batch([lambda ep: 'x'], fmt, [_OneTurn(reward)], [0], cfg)[0]
+        assert t.valid == valid and t.reward == (reward if valid else 0.0), reward
+        assert valid or t.info['error'] == f'reward {reward!r} is not a finite number'
+
+
+@pytest.mark.parametrize('said', [3, None, ('x', 'no'), ('x', False, 1)])
+def test_a_scripted_policy_returns_text_or_text_and_false(said):
+    fmt, cfg = word_format(build_tokenizer(['x'])), dict(config, max_turns=2)
+    with pytest.raises(gym.GymContractError, match='a scripted policy returned .*; it returns the turn.s text, or '
+                                                   r'\(text, False\) for a mistake not to train on'):
+        rollout_batch([lambda ep: said], fmt, [_OneTurn()], [0], cfg)
+    t = rollout_batch([lambda ep: ('x', False)], fmt, [_OneTurn()], [0], cfg)[0]
+    assert t.reward == 1.0 and [tr['train'] for tr in t.turns] == [False]
+
+
+def test_a_gym_with_an_unknown_model_kind_or_a_key_without_default_stops_only_itself(tmp_path, monkeypatch, capsys):
+    import gyms
+    folder = tmp_path / 'gyms'
+    folder.mkdir()
+    for f in gym.GYMS.glob('*.py'):
+        (folder / f.name).write_text(f.read_text())
+    example = (gym.GYMS / 'example.py').read_text()
+    assert "MODEL = 'tiny'" in example and 'KEYS = ()' in example
+    (folder / 'badmodel.py').write_text(example.replace("MODEL = 'tiny'", "MODEL = 'tinyy'"))
+    (folder / 'newkey.py').write_text(example.replace('KEYS = ()', "KEYS = ('my_new_key',)"))
+    monkeypatch.setattr(gym, 'GYMS', folder)
+    monkeypatch.setattr(gyms, '__path__', [str(folder)])
+    assert load_gym(small_cfg('example'), None, config)['train_tasks']  # the other gyms still load
+    for name, needle in (('badmodel', "gyms/badmodel.py: MODEL is 'tinyy'; it must be 'tiny', 'hf' or 'any'"),
+                         ('newkey', "gyms/newkey.py lists 'my_new_key' in KEYS, but config.py has no default for it")):
+        with pytest.raises(SystemExit):
+            load_gym(dict(small_cfg('example'), gym=name), None, config)
+        err = capsys.readouterr().err
+        assert err == f'error: {needle}\n', err

@@ -331,3 +331,14 @@ def test_more_episodes_than_tasks_says_that_tasks_repeat(memory, capsys):
     assert len(sample.run_episodes(model, g, cfg, 'heldout', 8)) == 8 and 'repeat' not in capsys.readouterr().out
     trajs = sample.run_episodes(model, g, cfg, 'heldout', 10)
     assert len(trajs) == 10 and 'note: --n=10 is more than the 8 heldout tasks, so some tasks repeat' in capsys.readouterr().out
+
+
+def test_the_validation_split_can_be_shown_and_evaluated(memory, capsys):
+    cfg, g, model, _, _ = memory
+    with pytest.raises(SystemExit):
+        sample.run_episodes(model, g, cfg, 'val', 2)  # the fixture's gym has no validation tasks
+    assert capsys.readouterr().err == 'error: --split=val: the gym has no such tasks (set --val_tasks=N)\n'
+    gv = load_gym(dict(cfg, val_tasks=3))
+    assert [t.id for t in gv['val_tasks']] and not {t.id for t in gv['val_tasks']} & {t.id for t in gv['eval_tasks']}
+    numbers, trajs = sample.evaluate(model, gv, cfg, split='val')
+    assert numbers['episodes'] == 3 and [t.task.id for t in trajs] == [t.id for t in gv['val_tasks']]

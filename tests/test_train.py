@@ -99,8 +99,16 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
 
 def test_resume_with_another_model_size_names_the_key(tmp_path):
     train(tmp_path, '--steps=1')
+    saved = (tmp_path / 'config.json').read_text()
     p = train(tmp_path, '--steps=2', '--resume=True', '--n_embd=64', check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
+    assert (tmp_path / 'config.json').read_text() == saved  # a refused resume leaves the run's config as it was
+    p = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE='1'))
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
+    p = train(tmp_path, '--steps=2', '--resume=True', '--seed=7', check=False)
+    assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with seed 1337, not 7; "
+                                              "choose another out_dir for a new run\n")
     p = train(tmp_path, '--steps=2', '--resume=True', '--gym=memory', check=False,
               small=[a for a in SMALL if a != '--train_variants=2'])  # a bugfix key
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with gym 'bugfix', not "
@@ -110,11 +118,19 @@ def test_resume_with_another_model_size_names_the_key(tmp_path):
 def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     train(tmp_path, '--steps=4', '--save_every=1', '--keep_checkpoints=3')
     newest = sorted(tmp_path.glob('ckpt_*.pt'))[-1]
-    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
+    corrupt = newest.read_bytes()[:1000]
+    newest.write_bytes(corrupt)  # truncated, as by a full disk
     p = train(tmp_path, '--steps=6', '--save_every=1', '--resume=True')
     assert f'checkpoint {newest} is corrupt' in p.stderr
     assert 'resumed from' in p.stdout and 'ckpt_000003.pt' in p.stdout
     assert metrics(tmp_path) == reference
+    # the corrupt file is kept under another name, out of the rotation: the good checkpoints stay
+    assert f'{newest} did not load; renamed to ckpt_000004.pt.corrupt' in p.stdout
+    assert (tmp_path / 'ckpt_000004.pt.corrupt').read_bytes() == corrupt
+    assert sorted(c.name for c in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000005.pt', 'ckpt_000006.pt']
+    (tmp_path / 'ckpt_best.pt').write_bytes(b'mine')  # a user's file of a similar name is never ours to remove
+    train(tmp_path, '--steps=1', '--overwrite=True')
+    assert (tmp_path / 'ckpt_best.pt').read_bytes() == b'mine'
 
 
 def test_ctrl_c_prints_one_line_and_keeps_the_files(tmp_path):
@@ -183,6 +199,7 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
     assert all(0 <= r['eval_val_success'] <= 1 and 'eval_val_greedy_success' in r for r in (rows[0], last))  # --val_tasks
     assert all(r['eval_val_success_rate'] == r['eval_val_success'] and 'eval_val_em_k1' in r for r in (rows[0], last))
+    assert f"best eval_val_success     {max(r['eval_val_success'] for r in (rows[0], last)):.3f}" in p.stdout
     assert p.stdout.count(f", format ok {last['eval_format_ok']:.3f} (turns {last['eval_turn_format_ok']:.3f})") >= 1
     for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_reward_time_s', 'mem_tokens_mean',
                 'tt', 'pt', 'em', 'f1'):
@@ -336,7 +353,7 @@ def test_an_evaluation_where_every_episode_is_invalid_stops(capsys):
             raise RuntimeError('tool down')
     with pytest.raises(SystemExit) as e:
         train.evaluate(model, dict(gym_, make_env=Broken), cfg, 0)
-    assert e.value.code == 2 and 'evaluation: every episode is invalid; the first: RuntimeError: tool down' in capsys.readouterr().err
+    assert e.value.code == 2 and 'evaluation (greedy): every episode is invalid; the first: RuntimeError: tool down' in capsys.readouterr().err
 
 
 def test_format_metrics_count_malformed_turns_and_episodes():
