@@ -164,8 +164,10 @@ def read_config_file(path, argv):
     exits 2 with one line naming the file."""
     if not os.path.isfile(path):
         bare = next((a for a in argv if a.startswith('--') and '=' not in a), None)  # '--steps 3' for '--steps=3'
+        key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
         fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
-             + (f" (flags take their value after '=': {bare}={path})" if bare else ''))
+             + (f" (flags take their value after '=': {bare}={path})" if bare else
+                f" (a config key is written --{path})" if '=' in path and key in config else ''))
     try:
         with open(path) as f:
             text = f.read()

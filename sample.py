@@ -68,9 +68,10 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
     Exits 2 on a split the gym does not have."""
     pool = split_tasks(gym_, split)
     if n > len(pool):
-        print(f"note: --n={n} is more than the {len(pool)} {split} tasks, so some tasks repeat")
+        print(f"note: --n={n} is more than the {len(pool)} {split} tasks, so tasks repeat (each once before any twice)")
     rng = random.Random(cfg['seed'])
-    tasks = rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
+    order = rng.sample(pool, min(n, len(pool)))
+    tasks = [order[i % len(order)] for i in range(n)]
     if generator is None:
         generator = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
     with torch.no_grad():
@@ -250,6 +251,11 @@ def parse_args(argv, defaults=OPTIONS):
     for key in ('n', 'samples', 'batch'):
         if opts[key] < 1:
             fail(f"--{key} must be >= 1, got {opts[key]}")
+    if opts['show'] < 0:
+        fail(f"--show must be >= 0, got {opts['show']}")
+    eval_only = [k for k in ('sampled', 'samples', 'batch', 'show', 'json') if opts[k] != defaults[k]]
+    if eval_only and not opts['eval']:  # they would be ignored
+        fail(f"--{eval_only[0]} is an --eval flag; add --eval (--greedy is the episodes' own)")
     for key in ('html', 'curves', 'json'):  # before any episode runs, not after
         folder = os.path.dirname(opts[key] or '.') or '.'
         if not os.path.isdir(folder):

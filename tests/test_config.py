@@ -48,6 +48,7 @@ def run_train(*args):
     (['--chat_template=qwen3'], "config key 'chat_template' needs a Hugging Face model"),
     (['config/tiny_qwen3_quixbugs.yaml', '--lora_rank=1000'], "config key 'lora_rank' (1000) is above the model's hidden size"),
     (['config/smoke.yaml', '--steps', '3'], "config file not found: 3 (flags take their value after '=': --steps=3)"),
+    (['config/smoke.yaml', 'steps=3'], "config file not found: steps=3 (a config key is written --steps=3)"),
     (['--log_every=0'], "config key 'log_every' must be >= 1, got 0"),
     (['--clip_low=2'], "config key 'clip_low' must be below 1, got 2.0"),
     (['--resume=True', '--overwrite=True'], '--resume=True continues the run in out_dir and --overwrite=True replaces it'),

@@ -271,6 +271,8 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--metrics_rollout=README.md'], '--metrics_rollout=README.md is not a rollout dump'),
     ('sample.py', ['--curves=c.png', '--out_dir=/nonexistent/run', '--untrained'], '--curves: no metrics.jsonl'),
     ('sample.py', ['--n=0', '--untrained'], '--n must be >= 1, got 0'),
+    ('sample.py', ['--eval', '--show=-1', '--untrained'], '--show must be >= 0, got -1'),
+    ('sample.py', ['--sampled', '--untrained'], '--sampled is an --eval flag; add --eval (--greedy is the episodes'),
     ('sample.py', ['--html=/nonexistent/dir/x.html', '--untrained'], 'folder /nonexistent/dir does not exist'),
 ])
 def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
@@ -330,7 +332,10 @@ def test_more_episodes_than_tasks_says_that_tasks_repeat(memory, capsys):
     capsys.readouterr()
     assert len(sample.run_episodes(model, g, cfg, 'heldout', 8)) == 8 and 'repeat' not in capsys.readouterr().out
     trajs = sample.run_episodes(model, g, cfg, 'heldout', 10)
-    assert len(trajs) == 10 and 'note: --n=10 is more than the 8 heldout tasks, so some tasks repeat' in capsys.readouterr().out
+    assert len(trajs) == 10 and ('note: --n=10 is more than the 8 heldout tasks, so tasks repeat (each once before any '
+                                 'twice)') in capsys.readouterr().out
+    ids = [t.task.id for t in trajs]
+    assert len(set(ids)) == 8 and ids[8:] == ids[:2]
 
 
 def test_the_validation_split_can_be_shown_and_evaluated(memory, capsys):
