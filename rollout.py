@@ -347,6 +347,16 @@ def reusable_cache(kv, context):
     return (layers, n) if n else None
 
 
+def scripted_turn(said):
+    """What a scripted policy returned -> (text, train): text alone trains; (text, False) is a mistake
+    to play but not train on. Anything else raises GymContractError."""
+    text, train = said if isinstance(said, tuple) and len(said) == 2 else (said, True)
+    if not isinstance(text, str) or train not in (True, False):
+        raise GymContractError(f"a scripted policy returned {said!r}; it returns the turn's text, or "
+                               f"(text, False) for a mistake not to train on")
+    return text, train
+
+
 def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, temperature=None):
     """Run len(tasks) episodes in lockstep -> list of Trajectory.
 
@@ -389,11 +399,7 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
                                             temperature, generator, fmt.pad_id)
             cut = [False] * len(responses)  # generate stops at a stop id or at the budget
         else:
-            acts = [a if isinstance(a, tuple) else (a, True) for a in (policy[i](eps[i]) for i in active)]
-            for a in acts:
-                if len(a) != 2 or not isinstance(a[0], str) or a[1] not in (True, False):
-                    raise GymContractError(f"a scripted policy returned {a[0] if a[1] is True else a!r}; it returns "
-                                           f"the turn's text, or (text, False) for a mistake not to train on")
+            acts = [scripted_turn(policy[i](eps[i])) for i in active]
             train = [a[1] for a in acts]
             full = [fmt.encode(a[0]) + fmt.end_turn for a in acts]  # as a model ends its turn
             responses = [f[:cfg['max_response_tokens']] for f in full]

@@ -387,8 +387,9 @@ def save(cfg, step, model, opt, ref_model, gym_, rng, gen):
 
 def check_out_dir(cfg, state):
     """Stop (exit 2, one line) before a fresh run would replace an earlier run in out_dir without
-    overwrite=True, or when --resume finds only checkpoints that do not load. state: the loaded
-    checkpoint or None. Runs before the gym's set-up, so a refusal costs no time."""
+    overwrite=True, or when --resume finds another run's checkpoint (other gym, model, seed or tasks)
+    or a checkpoint past `steps`. state: the loaded checkpoint or None (all-corrupt checkpoints stop
+    in report.load_latest_checkpoint). Runs before the gym's set-up, so a refusal costs no time."""
     old = glob.glob(os.path.join(cfg['out_dir'], report.CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
     for key in ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks'):  # other weights, other tasks: another run
@@ -516,6 +517,12 @@ def init_run(cfg):
     return gym_, model, rng, gen, ckpt
 
 
+def write_config(cfg):
+    """out_dir/config.json: the config this run trains with (sample.py --untrained reads it)."""
+    with open(os.path.join(cfg['out_dir'], 'config.json'), 'w') as f:
+        json.dump(cfg, f, indent=1)
+
+
 def main(argv):
     t_start = time.time()
     cfg = load_config(argv)
@@ -525,10 +532,10 @@ def main(argv):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
     if master and ckpt[0] is None:  # before the warm start: a run stopped during it still says what it was
-        json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
+        write_config(cfg)
     start, ref_model = start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt)
     if master and ckpt[0] is not None:  # only once the checkpoint fits: a refused resume leaves the run as it was
-        json.dump(cfg, open(os.path.join(cfg['out_dir'], 'config.json'), 'w'), indent=1)
+        write_config(cfg)
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     if master:
         metrics_file = open(metrics_path, 'a')
