@@ -111,9 +111,10 @@ def parse_value(key, raw, default):
         fail(f'--{key}={raw}: cannot parse the value')
 
 
-def check_key(key, value, cfg, where=''):
+def check_key(key, value, cfg, where='', name=None):
     """value, type-checked against cfg[key] (ints are accepted for floats); exits 2 on an unknown key or
-    a wrong type, the line starting with `where` (the config file it came from, or nothing)."""
+    a wrong type, the line starting with `where` (the config file it came from, or nothing) and naming
+    the key as `name` (default "config key 'KEY'"; a script's own option passes '--KEY')."""
     if key not in cfg:
         close = [k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1] or \
             difflib.get_close_matches(key, list(cfg), n=1)  # lr_rate -> lr (not lora_rank), stpes -> steps
@@ -132,7 +133,7 @@ def check_key(key, value, cfg, where=''):
     else:
         ok = isinstance(value, ok_types)
     if not ok:
-        fail(f"{where}config key '{key}' expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
+        fail(f"{where}{name or f'config key {key!r}'} expects {' or '.join(t.__name__ for t in ok_types)}, got {value!r}")
     return float(value) if float in ok_types and not isinstance(value, bool) else value
 
 
@@ -154,7 +155,7 @@ def parse_options(argv, defaults):
         elif not eq or raw == '':
             fail(f"--{key} needs a value, e.g. --{key}={opts[key] if opts[key] != '' else 'FILE'}")
         else:
-            opts[key] = check_key(key, parse_value(key, raw, opts[key]), opts)
+            opts[key] = check_key(key, parse_value(key, raw, opts[key]), opts, name=f'--{key}')
     return opts, rest
 
 
@@ -263,6 +264,8 @@ def load_config(argv, defaults=config):
     if cfg['resume'] and cfg['overwrite']:
         fail("--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one")
     cfg['out_dir'] = os.path.expanduser(cfg['out_dir'])
+    if os.path.exists(cfg['out_dir']) and not os.path.isdir(cfg['out_dir']):
+        fail(f"config key 'out_dir' names a file, not a folder: {cfg['out_dir']}")
     for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
                          ('dtype', ('float32', 'bfloat16'))]:
         if cfg[key] not in allowed:

@@ -268,7 +268,7 @@ def run_summary(out_dir, cfg, wall_s):
     lines = [f"run summary: gym {cfg.get('gym')}, model {cfg.get('model')}",
              f"  steps        {steps} / {cfg.get('steps')}",
              f"  wall time    {int(wall_s // 60)}m {wall_s % 60:.0f}s",
-             f"  tokens       {tokens / 1e6:.2f}M processed (contexts + responses, RL steps)"]
+             f"  tokens       {f'{tokens / 1e6:.2f}M' if tokens >= 10_000 else f'{tokens:,.0f}'} processed (contexts + responses, RL steps)"]
     for key in ('eval_success_rate', 'eval_greedy_success', 'eval_val_success'):  # choose on validation
         pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
         if pts:

@@ -290,6 +290,10 @@ def load_run(rest, untrained=False):
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
         cfg = run_config(rest, state['config'])
+        for key in ('gym', 'model'):  # the weights (and a tiny model's vocabulary) belong to these
+            if cfg[key] != state['config'][key]:
+                fail(f"{path} was trained with {key} {state['config'][key]!r}, not {cfg[key]!r} "
+                     f"(drop --{key}, or add --untrained for an untrained policy)")
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         print('no CUDA here: running on cpu')
         cfg['device'] = 'cpu'

@@ -67,7 +67,7 @@ def make_prompt(question, style='train'):
         return question
     if style == 'eval':
         return EVAL_PROMPT.format(question=question)
-    raise ValueError(f"prompt style must be 'train' or 'eval', got {style!r}")
+    raise ValueError(f"config key 'prompt_style' must be 'train' or 'eval', got {style!r}")
 
 # -----------------------------------------------------------------------------
 # questions
@@ -393,6 +393,7 @@ def setup(cfg, vocab=None):
     eval_tasks of each split (0 = all); the policy's own tokenizer and chat template. The warm start
     imitates oracle_policy when every training task has supporting titles (HotpotQA), else None."""
     check_answer_reward(cfg['answer_reward'])  # before the data and the index: a typo costs nothing
+    make_prompt('', cfg['prompt_style'])  # likewise: a bad style raises here, not at the first episode
     train_tasks = make_tasks('train', cfg['seed'], source=cfg['data'] or 'hotpotqa')  # bad data fails here, first
     eval_tasks = make_tasks('heldout', cfg['seed'], source=cfg['data'] or 'hotpotqa')
     tok = hf.load_tokenizer(cfg['model'], cfg['gguf_file'], cfg['chat_template'])

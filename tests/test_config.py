@@ -57,6 +57,9 @@ def run_train(*args):
     (['--gym=memory', '--oracle_forget=1.5'], "config key 'oracle_forget' is a probability, in [0, 1], got 1.5"),
     (['--gym=memory', '--oracle_detour=-0.1'], "config key 'oracle_detour' is a probability, in [0, 1], got -0.1"),
     (['--gym=memory', '--val_tasks=-3'], "config key 'val_tasks' must be >= 0, got -3"),
+    (['--out_dir=README.md'], "config key 'out_dir' names a file, not a folder: README.md"),
+    (['--gym=searchqa', '--model=tiny-qwen3', '--prompt_style=foo'],
+     "config key 'prompt_style' must be 'train' or 'eval', got 'foo'"),
     (['--gym=quixbugs', '--model=tiny-qwen3', '--chat_template=no/such.jinja'],
      "config key 'chat_template': cannot read 'no/such.jinja'"),
 ])
@@ -169,7 +172,8 @@ def test_a_typo_of_a_scripts_own_option_names_that_option(capsys):
     defaults = dict(samples=1, html='', greedy=False)
     for argv, err in [(['--sample=4'], "unknown option '--sample' (did you mean '--samples'?)"),
                       (['--greed'], "unknown option '--greed' (did you mean '--greedy'?)"),
-                      (['--html'], '--html needs a value, e.g. --html=FILE')]:
+                      (['--html'], '--html needs a value, e.g. --html=FILE'),
+                      (['--samples=abc'], "--samples expects int, got 'abc'")]:
         with pytest.raises(SystemExit) as e:
             parse_options(argv, defaults)
         assert e.value.code == 2 and capsys.readouterr().err == f'error: {err}\n'

@@ -207,6 +207,11 @@ def test_cli_checkpoint_and_rollout_dump(memory, tmp_path, capsys):
     dump = report.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
     sample.main([f'--metrics_rollout={dump}', f'--html={html}'])
     assert 'step 7, 3 episodes' in capsys.readouterr().out
+    for flag, trained in (('--gym=bugfix', "gym 'memory'"), ('--model=tiny-qwen3', "model 'tiny'")):
+        with pytest.raises(SystemExit) as e:  # the weights belong to the run's gym and model
+            sample.main([f'--out_dir={tmp_path}', flag])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count('\n') == 1 and f'was trained with {trained}, not' in err, err
     cells = parse(html.read_text()).episodes
     assert len(cells) == 3 and all('data-adv' in a for a, _ in cells[0][1:])
 
@@ -256,6 +261,12 @@ def test_run_summary_mentions_paths_and_best_score(tmp_path):
     (tmp_path / 'ckpt_000099.pt').write_bytes(b'garbage')  # a stray file named after a later step
     s = report.run_summary(str(tmp_path), dict(train.config, steps=10), 125.0)
     assert f"{tmp_path / 'ckpt_000010.pt'}" in s and 'ckpt_000099' not in s
+
+
+def test_run_summary_counts_a_small_runs_tokens_without_rounding_them_to_zero(tmp_path):
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(dict(step=s, tokens=40)) + '\n' for s in range(4)))
+    s = report.run_summary(str(tmp_path), dict(train.config, steps=3), 1.0)
+    assert 'tokens       120 processed' in s, s  # step 0 (evaluation only) is not counted
 
 
 def test_log_external_is_a_no_op_unless_asked(tmp_path):
