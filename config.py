@@ -193,7 +193,7 @@ def load_config(argv, defaults=config):
     """defaults <- YAML files <- --key=value, each kind in its order on the command line; a --key=value
     overrides every file wherever it stands (`--steps=3 config/tiny.yaml` runs 3 steps). Every value is
     type-checked against the default. Any error exits with status 2 and one line naming the key or file."""
-    cfg = dict(defaults)
+    cfg, origin = dict(defaults), {}  # origin: key -> 'config file PATH: ' while a file's value stands
     for arg in sorted(argv, key=lambda a: a.startswith('--')):  # stable: files first, then flags
         if arg in ('-h', '--help'):
             print((sys.modules['__main__'].__doc__ or '').strip())
@@ -206,71 +206,84 @@ def load_config(argv, defaults=config):
             if key not in cfg:
                 check_key(key, None, cfg)
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
+            origin.pop(key, None)
         else:
             for key, value in read_config_file(arg, argv).items():
-                cfg[key] = check_key(key, value, cfg, f'config file {arg}: ')
+                origin[key] = f'config file {arg}: '
+                cfg[key] = check_key(key, value, cfg, origin[key])
+    bad = check_values(cfg)
+    if bad:
+        fail(origin.get(bad[0], '') + bad[1])
+    ktr = cfg['keep_tool_results']
+    cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
+    cfg['out_dir'] = os.path.expanduser(cfg['out_dir'])
+    return cfg
+
+
+def check_values(cfg):
+    """Ranges and combinations of a merged config's values. Returns None, or (key, one-line message)
+    for the first bad value: the key lets load_config name the config file the value came from."""
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
-        fail(f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}")
-    cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
+        return 'keep_tool_results', f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}"
     for key in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
                 'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples', 'warmstart_batch_size', 'keep_checkpoints',
                 'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
         if cfg[key] < 1:
-            fail(f"config key '{key}' must be >= 1, got {cfg[key]!r}")
+            return key, f"config key '{key}' must be >= 1, got {cfg[key]!r}"
     for key in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
                 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
                 'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):
         if cfg[key] < 0:
-            fail(f"config key '{key}' must be >= 0, got {cfg[key]!r}")
+            return key, f"config key '{key}' must be >= 0, got {cfg[key]!r}"
     for key, value in cfg.items():  # nan and inf pass every comparison below and end in a traceback later
         if isinstance(value, float) and not math.isfinite(value):
-            fail(f"config key '{key}' must be a finite number, got {value!r}")
+            return key, f"config key '{key}' must be a finite number, got {value!r}"
     if cfg['min_lr'] > cfg['lr']:
-        fail(f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant")
+        return 'min_lr', f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"
     if not 0 <= cfg['seed'] < 2 ** 32:  # torch.manual_seed overflows past 64 bits, and evaluation seeds are multiples of it
-        fail(f"config key 'seed' must be in [0, 2**32), got {cfg['seed']!r}")
+        return 'seed', f"config key 'seed' must be in [0, 2**32), got {cfg['seed']!r}"
     for key in ('beta1', 'beta2'):
         if not 0 <= cfg[key] < 1:
-            fail(f"config key '{key}' must be in [0, 1), got {cfg[key]!r}")
+            return key, f"config key '{key}' must be in [0, 1), got {cfg[key]!r}"
     if cfg['lora_rank'] < 0 or cfg['lora_alpha'] <= 0:
-        fail(f"config keys 'lora_rank' (>= 0) and 'lora_alpha' (> 0), got {cfg['lora_rank']!r} and {cfg['lora_alpha']!r}")
+        return 'lora_rank', f"config keys 'lora_rank' (>= 0) and 'lora_alpha' (> 0), got {cfg['lora_rank']!r} and {cfg['lora_alpha']!r}"
     if cfg['chat_template'] and cfg['model'] == 'tiny':
-        fail("config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template")
+        return 'chat_template', "config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template"
     if cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'):  # it would be ignored
-        fail(f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none")
+        return 'gguf_file', f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none"
     if cfg['lora_rank'] and cfg['model'] == 'tiny':
-        fail("config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'")
+        return 'lora_rank', "config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'"
     for key in ('oracle_forget', 'oracle_detour'):
         if not 0 <= cfg[key] <= 1:
-            fail(f"config key {key!r} is a probability, in [0, 1], got {cfg[key]!r}")
+            return key, f"config key {key!r} is a probability, in [0, 1], got {cfg[key]!r}"
     if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
-        fail(f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
+        return 'n_head', f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})"
     if cfg['threads'] > (os.cpu_count() or 1):
-        fail(f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores")
+        return 'threads', f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores"
     if cfg['max_len'] < cfg['max_response_tokens'] + 16:
-        fail(f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
-             f"max_response_tokens={cfg['max_response_tokens']}")
+        return 'max_len', (f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
+                           f"max_response_tokens={cfg['max_response_tokens']}")
     if cfg['temperature'] <= 0:
-        fail(f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}")
+        return 'temperature', f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}"
     try:
         dev = torch.device(cfg['device'])
     except RuntimeError:
-        fail(f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)")
+        return 'device', f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)"
     if dev.type not in ('cpu', 'cuda'):
-        fail(f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)")
+        return 'device', f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)"
     if cfg['clip_low'] >= 1:  # the ratio's lower bound 1 - clip_low would be <= 0
-        fail(f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}")
+        return 'clip_low', f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}"
     if cfg['resume'] and cfg['overwrite']:
-        fail("--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one")
-    cfg['out_dir'] = os.path.expanduser(cfg['out_dir'])
-    if os.path.exists(cfg['out_dir']) and not os.path.isdir(cfg['out_dir']):
-        fail(f"config key 'out_dir' names a file, not a folder: {cfg['out_dir']}")
+        return 'resume', "--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one"
+    out_dir = os.path.expanduser(cfg['out_dir'])
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return 'out_dir', f"config key 'out_dir' names a file, not a folder: {out_dir}"
     for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
                          ('dtype', ('float32', 'bfloat16'))]:
         if cfg[key] not in allowed:
-            fail(f"config key '{key}' must be one of {', '.join(allowed)}, got {cfg[key]!r}")
-    return cfg
+            return key, f"config key '{key}' must be one of {', '.join(allowed)}, got {cfg[key]!r}"
+    return None
 
 
 # -----------------------------------------------------------------------------

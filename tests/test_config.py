@@ -96,6 +96,11 @@ def test_bad_yaml_file_exit_2(tmp_path):
     wrong.write_text('stpes: 3\n')
     p = run_train(str(wrong))
     assert p.returncode == 2 and f"error: config file {wrong}: unknown config key 'stpes' (did you mean 'steps'?)" in p.stderr
+    wrong.write_text('gym: memory\noracle_forget: 1.5\n')  # a range checked after merging still names its file
+    p = run_train(str(wrong))
+    assert p.returncode == 2 and p.stderr == f"error: config file {wrong}: config key 'oracle_forget' is a probability, in [0, 1], got 1.5\n"
+    p = run_train(str(wrong), '--oracle_forget=2')  # the flag's value is the bad one: no file to name
+    assert p.returncode == 2 and p.stderr == "error: config key 'oracle_forget' is a probability, in [0, 1], got 2.0\n"
 
 
 def test_config_order_defaults_file_cli(tmp_path):
