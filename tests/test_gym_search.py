@@ -88,7 +88,7 @@ def test_load_errors(tmp_path):
         gs.make_tasks('train', source='bamboogle', heldout_frac=1.0)
     with pytest.raises(ValueError, match='split must be'):
         gs.make_tasks('test')
-    with pytest.raises(ValueError, match='prompt style'):
+    with pytest.raises(ValueError, match="config key 'prompt_style' must be 'train' or 'eval'"):
         gs.SearchQAEnv(prompt_style='fancy')
 
 
