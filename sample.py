@@ -256,10 +256,14 @@ def parse_args(argv, defaults=OPTIONS):
     eval_only = [k for k in ('sampled', 'samples', 'batch', 'show', 'json') if opts[k] != defaults[k]]
     if eval_only and not opts['eval']:  # they would be ignored
         fail(f"--{eval_only[0]} is an --eval flag; add --eval (--greedy is the episodes' own)")
-    for key in ('html', 'curves', 'json'):  # before any episode runs, not after
+    for key, ext in (('html', '.html'), ('curves', '.png'), ('json', '.json')):  # before any episode runs, not after
         folder = os.path.dirname(opts[key] or '.') or '.'
         if not os.path.isdir(folder):
             fail(f"--{key}={opts[key]}: folder {folder} does not exist")
+        if opts[key] and not opts[key].endswith(ext):  # not a folder, a checkpoint or metrics.jsonl by mistake
+            fail(f"--{key}={opts[key]}: expected a file name ending in {ext} (--{key}=out{ext})")
+        if os.path.basename(opts[key]) == 'config.json':
+            fail(f"--{key}={opts[key]}: config.json is the name of a run's saved config; choose another name")
     return opts, rest
 
 
@@ -365,8 +369,6 @@ def main(argv):
         metrics = os.path.join(cfg['out_dir'], 'metrics.jsonl')
         if not os.path.isfile(metrics):
             fail(f"--curves: no metrics.jsonl in {cfg['out_dir']}")
-        if not opts['curves'].endswith('.png'):
-            fail(f"--curves={opts['curves']}: the plot is a PNG file (--curves=curves.png)")
         png = report.plot_metrics(metrics, opts['curves'])
         return print('wrote', png) if png else None
     advantages = None
