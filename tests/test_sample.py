@@ -286,7 +286,7 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--sampled', '--untrained'], '--sampled is an --eval flag; add --eval (--greedy is the episodes'),
     ('sample.py', ['--html=/nonexistent/dir/x.html', '--untrained'], 'folder /nonexistent/dir does not exist'),
     ('sample.py', ['--html=tests', '--untrained'], '--html=tests: expected a file name ending in .html'),
-    ('sample.py', ['--html=out/ckpt_000002.pt', '--untrained'], 'expected a file name ending in .html'),
+    ('sample.py', ['--html=tests/ckpt_000002.pt', '--untrained'], 'expected a file name ending in .html'),
     ('sample.py', ['--eval', '--json=config.json', '--untrained'], "config.json is the name of a run's saved config"),
     ('sample.py', ['--curves=c.pdf', '--untrained'], '--curves=c.pdf: expected a file name ending in .png'),
 ])
