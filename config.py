@@ -161,8 +161,8 @@ def parse_options(argv, defaults):
 
 def read_config_file(path, argv):
     """The mapping of keys to values in the YAML file at path (argv: the whole command line, for a hint
-    about '--steps 3'). A missing file, bad YAML, a key written twice or a file that is not a mapping
-    exits 2 with one line naming the file."""
+    about '--steps 3'). A missing file, bad YAML, a key written twice, a file that is not a mapping or
+    one that sets no key exits 2 with one line naming the file."""
     if not os.path.isfile(path):
         bare = next((a for a in argv if a.startswith('--') and '=' not in a), None)  # '--steps 3' for '--steps=3'
         key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
@@ -177,7 +177,8 @@ def read_config_file(path, argv):
             if k.value in seen:
                 fail(f"config file {path}: key {k.value!r} appears twice (again on line {k.start_mark.line + 1})")
             seen.add(k.value)
-        loaded = yaml.safe_load(text) or {}
+        loaded = yaml.safe_load(text)
+        loaded = {} if loaded is None else loaded
     except UnicodeDecodeError:
         fail(f'cannot read YAML file {path}: not UTF-8 text')
     except yaml.YAMLError as e:
@@ -186,6 +187,8 @@ def read_config_file(path, argv):
         fail(f'cannot parse YAML file {path}{where}: {getattr(e, "problem", None) or str(e).splitlines()[0]}')
     if not isinstance(loaded, dict):
         fail(f'config file {path} must hold a mapping of keys to values')
+    if not loaded:  # an empty file (or comments only) would start a default run without a word
+        fail(f'config file {path} sets no config keys')
     return loaded
 
 

@@ -392,10 +392,12 @@ def check_out_dir(cfg, state):
     in report.load_latest_checkpoint). Runs before the gym's set-up, so a refusal costs no time."""
     old = glob.glob(os.path.join(cfg['out_dir'], report.CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
-    for key in ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks'):  # other weights, other tasks: another run
-        if state is not None and state['config'].get(key, cfg[key]) != cfg[key]:
-            fail(f"--resume=True: {cfg['out_dir']} was trained with {key} {state['config'][key]!r}, "
-                 f"not {cfg[key]!r}; choose another out_dir for a new run")
+    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks')  # other weights, other tasks: another run
+    differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
+    if differ:
+        fail(f"--resume=True: {cfg['out_dir']} was trained with "
+             + ', '.join(f"{k} {state['config'][k]!r}, not {cfg[k]!r}" for k in differ)
+             + "; choose another out_dir for a new run")
     if state is not None and state['step'] > cfg['steps']:
         fail(f"--resume=True: the newest checkpoint is at step {state['step']}, past steps={cfg['steps']}")
     if cfg['resume'] and not old and metrics:  # killed before its first checkpoint, or they were moved away
@@ -484,8 +486,6 @@ def init_run(cfg):
     gym_module(cfg, config)  # an unknown gym or a key it ignores: one line, before anything is printed or made
     ckpt = report.load_latest_checkpoint(cfg['out_dir'], 'run without --resume') if cfg['resume'] else (None, None)
     check_out_dir(cfg, ckpt[0])  # an earlier run in out_dir: likewise
-    if rank() == 0:
-        print(json.dumps(cfg))
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     random.seed(cfg['seed'])
@@ -499,6 +499,8 @@ def init_run(cfg):
         model = load_policy(cfg, gym_['tok'].vocab_size)
     except (OSError, ValueError) as e:  # GymContractError too: a reset that returns no text
         fail(str(e).splitlines()[0])
+    if rank() == 0:  # only once the gym and the policy are set up: a refusal above prints nothing first
+        print(json.dumps(cfg))
     try:  # only now: a set-up that fails leaves no empty out_dir behind
         os.makedirs(cfg['out_dir'], exist_ok=True)
     except OSError as e:

@@ -71,7 +71,7 @@ def test_config_errors_exit_2_with_one_line(args, needle):
 
 
 def test_refusals_print_and_make_nothing_first(tmp_path):
-    for args in (['--gym=bugfx'], ['--gym=memory', '--train_variants=3']):
+    for args in (['--gym=bugfx'], ['--gym=memory', '--train_variants=3'], ['--gym=memory', '--max_objectives=0']):
         p = run_train(*args, f'--out_dir={tmp_path / "run"}')
         assert p.returncode == 2 and p.stdout == '' and not (tmp_path / 'run').exists(), p.stdout[:200]
     (tmp_path / 'run').mkdir()
@@ -93,6 +93,9 @@ def test_bad_yaml_file_exit_2(tmp_path):
     wrong.write_text('lr: fast\n')
     p = run_train(str(wrong))
     assert p.returncode == 2 and f"error: config file {wrong}: config key 'lr' expects float, got 'fast'" in p.stderr
+    wrong.write_text('# steps: 3\n')  # nothing set: not a default run started without a word
+    p = run_train(str(wrong))
+    assert p.returncode == 2 and p.stderr == f'error: config file {wrong} sets no config keys\n'
     wrong.write_text('stpes: 3\n')
     p = run_train(str(wrong))
     assert p.returncode == 2 and f"error: config file {wrong}: unknown config key 'stpes' (did you mean 'steps'?)" in p.stderr
