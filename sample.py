@@ -9,10 +9,11 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
     python sample.py --out_dir=out/tiny --curves=curves.png     # plot out/tiny/metrics.jsonl
     python sample.py --out_dir=out/tiny --eval                  # every held-out task, greedy
     python sample.py config/smollm2_hotpotqa.yaml --eval --eval_tasks=50 --untrained   # zero-shot
+    python sample.py config/smollm2_memory.yaml --eval --scripted   # the warm start's scripted policy
     python sample.py --out_dir=out/q --eval --sampled --samples=4 --json=eval.json
 
-Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --metrics_rollout=FILE
---curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
+Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --scripted
+--metrics_rollout=FILE --curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
 --samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE. Every other argument (a YAML file, --key=value) is train.py's config, on top of the
 checkpoint's own config when out_dir holds one (eval_tasks = how many held-out tasks, 0 = all).
@@ -43,7 +44,7 @@ from model import load_policy
 from rollout import run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
-OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, metrics_rollout='', curves='',
+OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scripted=False, metrics_rollout='', curves='',
                eval=False, sampled=False, samples=1, batch=16, show=2, json='')
 
 # -----------------------------------------------------------------------------
@@ -62,9 +63,15 @@ def split_tasks(gym_, split):
     return gym_[SPLITS[split]]
 
 
+def policy_for(model, n, rng):
+    """What run_tasks rolls out for n episodes: the model itself, or, for the gym's scripted policy
+    (load_run with scripted=True gives its gym_['warm_policy'], a function rng -> policy), n copies of it."""
+    return model if isinstance(model, torch.nn.Module) else [model(rng) for _ in range(n)]
+
+
 def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator=None):
-    """n episodes of `model` on tasks drawn (seeded by cfg['seed']) from the gym's split -> list of
-    Trajectory. A generator of its own by default, so the caller's RNG streams stay untouched.
+    """n episodes of `model` (or of the scripted policy, see policy_for) on tasks drawn (seeded by
+    cfg['seed']) from the gym's split -> list of Trajectory. A generator of its own by default, so the caller's RNG streams stay untouched.
     Exits 2 on a split the gym does not have."""
     pool = split_tasks(gym_, split)
     if n > len(pool):
@@ -75,7 +82,8 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
     if generator is None:
         generator = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
     with torch.no_grad():
-        return run_tasks(model, gym_, cfg, tasks, generator=generator, temperature=0.0 if greedy else None)
+        return run_tasks(policy_for(model, n, rng), gym_, cfg, tasks, generator=generator,
+                         temperature=0.0 if greedy else None)
 
 
 @torch.no_grad()
@@ -84,12 +92,13 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16, split='heldout'
     (metrics dict, trajectories): train.py's episode metrics (format validity among them) plus turns,
     invalid turns and stop reasons. Sampling draws from a generator seeded by cfg['seed']: the same arguments give
     the same numbers on CPU."""
-    tasks = split_tasks(gym_, split)
+    tasks, rng = split_tasks(gym_, split), random.Random(cfg['seed'])
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
     per = max(1, batch // samples)  # tasks per rollout batch; a task's samples stay together
     trajs = []
     for i in tqdm(range(0, len(tasks), per), desc='eval', unit='batch', leave=False):
-        trajs += run_tasks(model, gym_, cfg, tasks[i:i + per], samples, generator=gen,
+        chunk = tasks[i:i + per]
+        trajs += run_tasks(policy_for(model, len(chunk) * samples, rng), gym_, cfg, chunk, samples, generator=gen,
                            temperature=0.0 if greedy else None)
     n = max(len(trajs), 1)
     out = dict(episodes=len(trajs), **report.episode_metrics([report.summarise(t) for t in trajs]),
@@ -253,6 +262,8 @@ def parse_args(argv, defaults=OPTIONS):
             fail(f"--{key} must be >= 1, got {opts[key]}")
     if opts['show'] < 0:
         fail(f"--show must be >= 0, got {opts['show']}")
+    if opts['scripted'] and (opts['untrained'] or opts['metrics_rollout']):
+        fail(f"--scripted runs the gym's scripted policy, not a model: drop --{'untrained' if opts['untrained'] else 'metrics_rollout'}")
     eval_only = [k for k in ('sampled', 'samples', 'batch', 'show', 'json') if opts[k] != defaults[k]]
     if eval_only and not opts['eval']:  # they would be ignored
         fail(f"--{eval_only[0]} is an --eval flag; add --eval (--greedy is the episodes' own)")
@@ -277,13 +288,16 @@ def run_config(rest, saved):
     return load_config(rest, dict(config, **saved))
 
 
-def load_run(rest, untrained=False):
+def load_run(rest, untrained=False, scripted=False):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
     the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
     with `rest` on top, or, with untrained=True, the policy cfg['model'] as train.py would build it
-    before training (from out_dir/config.json when the run wrote one, with `rest` on top). Exits 2
-    when there is no checkpoint that loads and untrained is False. A CUDA config falls back to the
-    CPU without a GPU."""
+    before training (from out_dir/config.json when the run wrote one, with `rest` on top), or, with
+    scripted=True, no model: the gym's scripted policy gym_['warm_policy'] (the config as untrained
+    reads it), rendered in cfg['model']'s tokens. Exits 2 when there is no checkpoint that loads and
+    neither is set, or when the gym has no scripted policy. A CUDA config falls back to the CPU
+    without a GPU."""
+    untrained = untrained or scripted
     cfg = load_config(rest)
     saved = os.path.join(cfg['out_dir'], 'config.json')
     from_run = untrained and os.path.isfile(saved)
@@ -305,6 +319,11 @@ def load_run(rest, untrained=False):
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
     gym_ = load_gym(cfg, state.get('vocab') if state else None, config)
+    if scripted:
+        if gym_['warm_policy'] is None:
+            fail(f"--scripted: gym {cfg['gym']!r} has no scripted policy")
+        print(f"policy: the {cfg['gym']} gym's scripted policy (--scripted)")
+        return cfg, gym_, gym_['warm_policy'], 'scripted policy (--scripted)'
     try:
         model = load_policy(cfg, gym_['tok'].vocab_size)
     except OSError as e:
@@ -336,7 +355,7 @@ def load_dump(path, rest):
 def main_eval(opts, rest):
     """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
-    cfg, gym_, model, policy = load_run(rest, opts['untrained'])
+    cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'])
     numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'])
     for t in trajs[:opts['show']]:
         print_episode(t, gym_['tok'])
@@ -375,7 +394,7 @@ def main(argv):
     if opts['metrics_rollout']:
         cfg, gym_, trajs, advantages, title = load_dump(opts['metrics_rollout'], rest)
     else:
-        cfg, gym_, model, policy = load_run(rest, opts['untrained'])
+        cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'])
         title = f"{cfg['gym']} · {policy} · {opts['split']} · {'greedy' if opts['greedy'] else 'sampled'}"
         trajs = run_episodes(model, gym_, cfg, opts['split'], opts['n'], opts['greedy'])
     for t in trajs:

@@ -289,6 +289,7 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--html=tests/ckpt_000002.pt', '--untrained'], 'expected a file name ending in .html'),
     ('sample.py', ['--eval', '--json=config.json', '--untrained'], "config.json is the name of a run's saved config"),
     ('sample.py', ['--curves=c.pdf', '--untrained'], '--curves=c.pdf: expected a file name ending in .png'),
+    ('sample.py', ['--eval', '--scripted', '--untrained'], "--scripted runs the gym's scripted policy, not a model: drop --untrained"),
 ])
 def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
     import subprocess
@@ -362,3 +363,18 @@ def test_the_validation_split_can_be_shown_and_evaluated(memory, capsys):
     assert [t.id for t in gv['val_tasks']] and not {t.id for t in gv['val_tasks']} & {t.id for t in gv['eval_tasks']}
     numbers, trajs = sample.evaluate(model, gv, cfg, split='val')
     assert numbers['episodes'] == 3 and [t.task.id for t in trajs] == [t.id for t in gv['val_tasks']]
+
+
+def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path, capsys):
+    """--scripted: the warm start's scripted policy through the same rollout, evaluation and metrics: on the
+    memory gym (the oracle) it answers every held-out question, and folding keeps the peak context below
+    the full history."""
+    numbers = sample.main(['config/tiny_mem.yaml', '--eval', '--scripted', '--eval_tasks=12', '--show=0',
+                           f'--out_dir={tmp_path}'])
+    assert capsys.readouterr().out.startswith("policy: the memory gym's scripted policy (--scripted)\n")
+    assert numbers['episodes'] == 12 and numbers['em'] == numbers['success_rate'] == numbers['format_ok'] == 1.0
+    assert numbers['truncation_rate'] == 0.0 and numbers['pt_k3'] < numbers['ht_k3'] and numbers['em_k3'] == 1.0
+    assert not os.path.exists(tmp_path / 'config.json')  # a look, not a run
+    sample.main(['config/tiny_mem.yaml', '--scripted', '--n=2', f'--out_dir={tmp_path}'])  # episodes as text too
+    out = capsys.readouterr().out
+    assert '2 episodes: mean reward' in out and 'success 1.000' in out
