@@ -78,6 +78,18 @@ def test_resume_after_the_warm_start_skips_it_and_logs_the_same_metrics(referenc
     assert metrics(tmp_path) == reference
 
 
+def test_evaluating_more_often_changes_no_training_number(reference, tmp_path):
+    """Evaluation samples from a generator of its own: a run that evaluates only at the end logs the same
+    training metrics, step by step, as one that evaluates every 2 steps (what configs and RESULTS rely on
+    when eval_every changes)."""
+    train(tmp_path, '--steps=6', '--save_every=1', '--eval_every=0')
+    rows = metrics(tmp_path)
+    assert [sorted(r for r in m if r.startswith('eval_')) != [] for m in rows] == [True] + [False] * 5 + [True]
+    assert [{k: v for k, v in m.items() if not k.startswith('eval_')} for m in rows] == \
+           [{k: v for k, v in m.items() if not k.startswith('eval_')} for m in reference]
+    assert rows[-1] == reference[-1] and rows[0] == reference[0]
+
+
 def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
     train(tmp_path, '--steps=2', '--save_every=1', '--keep_checkpoints=2')
     ckpts = sorted(tmp_path.glob('ckpt_*.pt'))
