@@ -214,7 +214,7 @@ def load_config(argv, defaults=config):
             for key, value in read_config_file(arg, argv).items():
                 origin[key] = f'config file {arg}: '
                 cfg[key] = check_key(key, value, cfg, origin[key])
-    bad = check_values(cfg)
+    bad = check_values(cfg, defaults)
     if bad:
         fail(origin.get(bad[0], '') + bad[1])
     ktr = cfg['keep_tool_results']
@@ -223,9 +223,10 @@ def load_config(argv, defaults=config):
     return cfg
 
 
-def check_values(cfg):
-    """Ranges and combinations of a merged config's values. Returns None, or (key, one-line message)
-    for the first bad value: the key lets load_config name the config file the value came from."""
+def check_values(cfg, defaults=config):
+    """Ranges and combinations of a merged config's values (defaults: what they were merged onto, to
+    tell a value set from one inherited). Returns None, or (key, one-line message) for the first bad
+    value: the key lets load_config name the config file the value came from."""
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         return 'keep_tool_results', f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}"
@@ -255,6 +256,9 @@ def check_values(cfg):
         return 'chat_template', "config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template"
     if cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'):  # it would be ignored
         return 'gguf_file', f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none"
+    for key in ('n_layer', 'n_head', 'n_embd'):  # a pretrained model's shape is its own
+        if cfg['model'] != 'tiny' and cfg[key] != defaults[key]:
+            return key, f"config key '{key}' sizes the tiny model; model {cfg['model']!r} has its own (drop it)"
     if cfg['lora_rank'] and cfg['model'] == 'tiny':
         return 'lora_rank', "config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'"
     for key in ('oracle_forget', 'oracle_detour'):

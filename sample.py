@@ -264,6 +264,10 @@ def parse_args(argv, defaults=OPTIONS):
         fail(f"--show must be >= 0, got {opts['show']}")
     if opts['scripted'] and (opts['untrained'] or opts['metrics_rollout']):
         fail(f"--scripted runs the gym's scripted policy, not a model: drop --{'untrained' if opts['untrained'] else 'metrics_rollout'}")
+    for key, others in (('metrics_rollout', ('eval', 'untrained', 'split', 'n', 'greedy', 'curves')), ('eval', ('curves', 'n', 'greedy'))):
+        clash = [k for k in others if opts[key] and opts[k] != defaults[k]]  # they would be ignored
+        if clash:
+            fail(f"--{clash[0]} does nothing with --{key}: drop one of them")
     eval_only = [k for k in ('sampled', 'samples', 'batch', 'show', 'json') if opts[k] != defaults[k]]
     if eval_only and not opts['eval']:  # they would be ignored
         fail(f"--{eval_only[0]} is an --eval flag; add --eval (--greedy is the episodes' own)")
@@ -288,15 +292,15 @@ def run_config(rest, saved):
     return load_config(rest, dict(config, **saved))
 
 
-def load_run(rest, untrained=False, scripted=False):
+def load_run(rest, untrained=False, scripted=False, split='heldout'):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
     the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
     with `rest` on top, or, with untrained=True, the policy cfg['model'] as train.py would build it
     before training (from out_dir/config.json when the run wrote one, with `rest` on top), or, with
     scripted=True, no model: the gym's scripted policy gym_['warm_policy'] (the config as untrained
     reads it), rendered in cfg['model']'s tokens. Exits 2 when there is no checkpoint that loads and
-    neither is set, or when the gym has no scripted policy. A CUDA config falls back to the CPU
-    without a GPU."""
+    neither is set, when the gym has no scripted policy or no tasks of split (before the model
+    loads). A CUDA config falls back to the CPU without a GPU."""
     untrained = untrained or scripted
     cfg = load_config(rest)
     saved = os.path.join(cfg['out_dir'], 'config.json')
@@ -319,6 +323,7 @@ def load_run(rest, untrained=False, scripted=False):
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
     gym_ = load_gym(cfg, state.get('vocab') if state else None, config)
+    split_tasks(gym_, split)  # a split the gym lacks: refused before anything is printed or loaded
     if scripted:
         if gym_['warm_policy'] is None:
             fail(f"--scripted: gym {cfg['gym']!r} has no scripted policy")
@@ -355,14 +360,15 @@ def load_dump(path, rest):
 def main_eval(opts, rest):
     """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
-    cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'])
+    cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'])
     numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'])
     for t in trajs[:opts['show']]:
         print_episode(t, gym_['tok'])
     settings = {k: cfg[k] for k in ('gym', 'model', 'data', 'prompt_style', 'keep_tool_results', 'max_turns',
                                     'max_response_tokens', 'max_obs_tokens', 'max_len', 'enable_thinking')}
-    result = dict(policy=policy, **settings, decoding='sampled' if opts['sampled'] else 'greedy',
-                  temperature=cfg['temperature'] if opts['sampled'] else 0.0, split=opts['split'],
+    decoding = 'scripted' if opts['scripted'] else 'sampled' if opts['sampled'] else 'greedy'
+    result = dict(policy=policy, **settings, decoding=decoding,
+                  temperature=cfg['temperature'] if decoding == 'sampled' else None if opts['scripted'] else 0.0, split=opts['split'],
                   tasks=numbers['episodes'] // opts['samples'],
                   samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
     keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']
@@ -394,7 +400,7 @@ def main(argv):
     if opts['metrics_rollout']:
         cfg, gym_, trajs, advantages, title = load_dump(opts['metrics_rollout'], rest)
     else:
-        cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'])
+        cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'])
         title = f"{cfg['gym']} · {policy} · {opts['split']} · {'greedy' if opts['greedy'] else 'sampled'}"
         trajs = run_episodes(model, gym_, cfg, opts['split'], opts['n'], opts['greedy'])
     for t in trajs:

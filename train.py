@@ -337,6 +337,11 @@ def warm_start(model, gym_, cfg, rng):
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
     trajs = run_tasks(policies, gym_, cfg, tasks)
     check_invalid(trajs, 'warm start')
+    cut = sum(u['finish'] == 'length' and u['train'] for t in trajs for u in t.turns)
+    if cut and rank() == 0:  # the policy would learn a turn that never ends
+        print(f"warning: warm start: {cut} of {sum(len(t.turns) for t in trajs)} scripted turns are cut at "
+              f"max_response_tokens={cfg['max_response_tokens']}; raise it so the warm start imitates whole turns",
+              file=sys.stderr)
     trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
     n = len(trajs)
     batch = collate(trajs, gym_['fmt'].pad_id)
@@ -392,7 +397,8 @@ def check_out_dir(cfg, state):
     in report.load_latest_checkpoint). Runs before the gym's set-up, so a refusal costs no time."""
     old = glob.glob(os.path.join(cfg['out_dir'], report.CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
-    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks')  # other weights, other tasks: another run
+    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank')  # other weights or tasks: another run
+    keys += ('n_layer', 'n_head', 'n_embd', 'max_len') if cfg['model'] == 'tiny' else ()  # the tiny model's shape
     differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
     if differ:
         fail(f"--resume=True: {cfg['out_dir']} was trained with "
@@ -536,8 +542,8 @@ def main(argv):
     if master and ckpt[0] is None:  # before the warm start: a run stopped during it still says what it was
         write_config(cfg)
     start, ref_model = start_or_resume(cfg, model, opt, gym_, rng, gen, ckpt)
-    if master and ckpt[0] is not None:  # only once the checkpoint fits: a refused resume leaves the run as it was
-        write_config(cfg)
+    if master and ckpt[0] is not None and start < cfg['steps']:  # only once the checkpoint fits and there is
+        write_config(cfg)  # something to train: a refused or finished resume leaves the run's config as it was
     metrics_path = os.path.join(cfg['out_dir'], 'metrics.jsonl')
     if master:
         metrics_file = open(metrics_path, 'a')

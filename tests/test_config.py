@@ -54,6 +54,7 @@ def run_train(*args):
     (['--resume=True', '--overwrite=True'], '--resume=True continues the run in out_dir and --overwrite=True replaces it'),
     (['config/tiny_mem.yaml', '--max_objectives=0'], "config key 'max_objectives' must be >= 1, got 0"),
     (['--eval_tasks=49'], "config key 'eval_tasks' asks for 49 held-out tasks; gym 'bugfix' has 48 (0 = all of them)"),
+    (['--model=tiny-qwen3', '--n_layer=4'], "config key 'n_layer' sizes the tiny model; model 'tiny-qwen3' has its own (drop it)"),
     (['--gym=memory', '--oracle_forget=1.5'], "config key 'oracle_forget' is a probability, in [0, 1], got 1.5"),
     (['--gym=memory', '--oracle_detour=-0.1'], "config key 'oracle_detour' is a probability, in [0, 1], got -0.1"),
     (['--gym=memory', '--val_tasks=-3'], "config key 'val_tasks' must be >= 0, got -3"),

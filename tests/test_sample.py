@@ -290,6 +290,9 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--eval', '--json=config.json', '--untrained'], "config.json is the name of a run's saved config"),
     ('sample.py', ['--curves=c.pdf', '--untrained'], '--curves=c.pdf: expected a file name ending in .png'),
     ('sample.py', ['--eval', '--scripted', '--untrained'], "--scripted runs the gym's scripted policy, not a model: drop --untrained"),
+    ('sample.py', ['--metrics_rollout=r.pt', '--n=2'], '--n does nothing with --metrics_rollout: drop one of them'),
+    ('sample.py', ['--metrics_rollout=r.pt', '--eval'], '--eval does nothing with --metrics_rollout: drop one of them'),
+    ('sample.py', ['--eval', '--curves=c.png', '--untrained'], '--curves does nothing with --eval: drop one of them'),
 ])
 def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
     import subprocess
@@ -375,6 +378,11 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     assert numbers['episodes'] == 12 and numbers['em'] == numbers['success_rate'] == numbers['format_ok'] == 1.0
     assert numbers['truncation_rate'] == 0.0 and numbers['pt_k3'] < numbers['ht_k3'] and numbers['em_k3'] == 1.0
     assert not os.path.exists(tmp_path / 'config.json')  # a look, not a run
+    assert numbers['decoding'] == 'scripted' and numbers['temperature'] is None
+    with pytest.raises(SystemExit):  # a split the gym lacks: refused before the policy line
+        sample.main(['config/tiny_mem.yaml', '--eval', '--scripted', '--split=val', f'--out_dir={tmp_path}'])
+    out = capsys.readouterr()
+    assert out.out == '' and out.err == 'error: --split=val: the gym has no such tasks (set --val_tasks=N)\n'
     sample.main(['config/tiny_mem.yaml', '--scripted', '--n=2', f'--out_dir={tmp_path}'])  # episodes as text too
     out = capsys.readouterr().out
     assert '2 episodes: mean reward' in out and 'success 1.000' in out

@@ -112,9 +112,13 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
 def test_resume_with_another_model_size_names_the_key(tmp_path):
     train(tmp_path, '--steps=1')
     saved = (tmp_path / 'config.json').read_text()
-    p = train(tmp_path, '--steps=2', '--resume=True', '--n_embd=64', check=False)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
+    p = train(tmp_path, '--steps=2', '--resume=True', '--n_embd=64', '--n_head=2', check=False)  # before the set-up
+    assert p.returncode == 2 and p.stdout == '' and p.stderr == (
+        f"error: --resume=True: {tmp_path} was trained with n_head 4, not 2, n_embd 32, not 64; choose another "
+        "out_dir for a new run\n")
     assert (tmp_path / 'config.json').read_text() == saved  # a refused resume leaves the run's config as it was
+    p = train(tmp_path, '--steps=1', '--resume=True', '--lr=0.5')  # finished: nothing to train, nothing rewritten
+    assert 'resumed from' in p.stdout and (tmp_path / 'config.json').read_text() == saved
     p = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
@@ -389,3 +393,17 @@ def test_format_metrics_count_malformed_turns_and_episodes():
     turns = sum(t.info['n_turns'] for t in trajs)
     m = report.episode_metrics([report.summarise(t) for t in trajs])
     assert m['turn_format_ok'] == pytest.approx(1 - len(tasks) / turns) and m['format_ok'] == 0.0
+
+
+def test_warm_start_says_when_scripted_turns_are_cut(tmp_path):
+    """A max_response_tokens below the scripted policy's turns would teach turns that never end: one warning."""
+    args = ['config/tiny_mem.yaml', '--steps=0', '--warmstart_steps=1', '--warmstart_episodes=4', '--eval_tasks=2',
+            '--threads=1', '--n_embd=32']
+    env = dict(os.environ, HF_HUB_OFFLINE='1')
+    p = subprocess.run([sys.executable, 'train.py', *args, f'--out_dir={tmp_path / "a"}'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and 'warning' not in p.stderr, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, 'train.py', *args, '--max_response_tokens=6', f'--out_dir={tmp_path / "b"}'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    warned = [line for line in p.stderr.splitlines() if line.startswith('warning: warm start:')]
+    assert p.returncode == 0 and len(warned) == 1 and 'scripted turns are cut at max_response_tokens=6' in warned[0]
