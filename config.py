@@ -178,17 +178,16 @@ def read_config_file(path, argv):
                 fail(f"config file {path}: key {k.value!r} appears twice (again on line {k.start_mark.line + 1})")
             seen.add(k.value)
         loaded = yaml.safe_load(text)
-        loaded = {} if loaded is None else loaded
     except UnicodeDecodeError:
         fail(f'cannot read YAML file {path}: not UTF-8 text')
     except yaml.YAMLError as e:
         mark = getattr(e, 'problem_mark', None)
         where = f':{mark.line + 1}:{mark.column + 1}' if mark else ''
         fail(f'cannot parse YAML file {path}{where}: {getattr(e, "problem", None) or str(e).splitlines()[0]}')
+    if loaded is None or loaded == {}:  # empty, comments only or {}: a default run started without a word
+        fail(f'config file {path} sets no config keys')
     if not isinstance(loaded, dict):
         fail(f'config file {path} must hold a mapping of keys to values')
-    if not loaded:  # an empty file (or comments only) would start a default run without a word
-        fail(f'config file {path} sets no config keys')
     return loaded
 
 

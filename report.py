@@ -100,6 +100,9 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
     return None, None
 
 
+MODEL_SHAPE = ('n_layer', 'n_head', 'n_embd', 'max_len')  # config keys that size the tiny model
+
+
 def load_weights(model, state, cfg, path, opt=None):
     """Load a checkpoint's model (and optimizer) state; a checkpoint that does not fit cfg (another
     model, size or gym: the checkpoint's state['config']) exits 2 with one line naming what differs."""
@@ -109,8 +112,8 @@ def load_weights(model, state, cfg, path, opt=None):
             opt.load_state_dict(state['optimizer'])
     except (RuntimeError, ValueError, KeyError) as e:
         was = state.get('config', {})
-        changed = [f'{k} {was[k]!r} there, {cfg[k]!r} here' for k in ('model', 'n_layer', 'n_head', 'n_embd', 'max_len',
-                                                                     'lora_rank', 'gym') if k in was and was[k] != cfg[k]]
+        changed = [f'{k} {was[k]!r} there, {cfg[k]!r} here' for k in ('model', *MODEL_SHAPE, 'lora_rank', 'gym')
+                   if k in was and was[k] != cfg[k]]
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         fail(f'{path} does not fit this config: {"; ".join(changed) or lines[min(1, len(lines) - 1)]}')
 

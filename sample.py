@@ -71,8 +71,8 @@ def policy_for(model, n, rng):
 
 def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator=None):
     """n episodes of `model` (or of the scripted policy, see policy_for) on tasks drawn (seeded by
-    cfg['seed']) from the gym's split -> list of Trajectory. A generator of its own by default, so the caller's RNG streams stay untouched.
-    Exits 2 on a split the gym does not have."""
+    cfg['seed']) from the gym's split -> list of Trajectory. A generator of its own by default, so the
+    caller's RNG streams stay untouched. Exits 2 on a split the gym does not have."""
     pool = split_tasks(gym_, split)
     if n > len(pool):
         print(f"note: --n={n} is more than the {len(pool)} {split} tasks, so tasks repeat (each once before any twice)")
@@ -368,7 +368,7 @@ def main_eval(opts, rest):
                                     'max_response_tokens', 'max_obs_tokens', 'max_len', 'enable_thinking')}
     decoding = 'scripted' if opts['scripted'] else 'sampled' if opts['sampled'] else 'greedy'
     result = dict(policy=policy, **settings, decoding=decoding,
-                  temperature=cfg['temperature'] if decoding == 'sampled' else None if opts['scripted'] else 0.0, split=opts['split'],
+                  temperature={'sampled': cfg['temperature'], 'greedy': 0.0}.get(decoding), split=opts['split'],
                   tasks=numbers['episodes'] // opts['samples'],
                   samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
     keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']

@@ -398,7 +398,7 @@ def check_out_dir(cfg, state):
     old = glob.glob(os.path.join(cfg['out_dir'], report.CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], 'metrics.jsonl'))
     keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank')  # other weights or tasks: another run
-    keys += ('n_layer', 'n_head', 'n_embd', 'max_len') if cfg['model'] == 'tiny' else ()  # the tiny model's shape
+    keys += report.MODEL_SHAPE if cfg['model'] == 'tiny' else ()  # the tiny model's shape
     differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
     if differ:
         fail(f"--resume=True: {cfg['out_dir']} was trained with "
