@@ -350,6 +350,27 @@ def score_answers(pred, golds):
     return dict(em_count=int(sum(ems)), em=sum(ems) / k, f1=sum(f1s) / k, k=k)
 
 
+ANSWER_REWARDS = ('em', 'f1', 'all')
+
+
+def check_answer_reward(answer_reward):
+    """Returns answer_reward (one of ANSWER_REWARDS); raises ValueError naming the config key otherwise."""
+    if answer_reward not in ANSWER_REWARDS:
+        raise ValueError(f"config key 'answer_reward' expects one of {', '.join(ANSWER_REWARDS)}, got {answer_reward!r}")
+    return answer_reward
+
+
+def answer_reward(scores, how):
+    """The reward of a well-formed answer from score_answers' dict, in points (0..k for k objectives):
+    'em' the objectives answered exactly (MemPO's outcome reward: 1 point, 2 for a two-part question);
+    'f1' the sum of their token F1 (partial credit for partial words); 'all' k when every objective is
+    exactly right, else 0 (no credit for part of the answer, so answering before every objective is
+    found earns nothing unless the guess is right)."""
+    if how == 'all':
+        return float(scores['k']) if scores['em_count'] == scores['k'] else 0.0
+    return float(scores['em_count']) if how == 'em' else scores['f1'] * scores['k']
+
+
 TAGS = ("mem", "think", "search", "answer")
 _TAG_RE = re.compile(r"<(/?)(mem|think|search|answer)>")
 END_MARKERS = ('<|im_end|>', '<|endoftext|>', '<|eot_id|>')  # chat models' end-of-turn tokens as text

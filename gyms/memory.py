@@ -27,11 +27,11 @@ import re
 from dataclasses import dataclass, field
 
 import hf
-from gym import (TAGS, build_tokenizer, check_turn, extract_answer, extract_mem, extract_tag, score_episode,
-                 strip_end_marker, validate_format, word_format)
+from gym import (TAGS, answer_reward, build_tokenizer, check_answer_reward, check_turn, extract_answer, extract_mem,
+                 extract_tag, score_episode, strip_end_marker, validate_format, word_format)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks')
+KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -200,8 +200,8 @@ class MemoryEnv:
     step(action_text): action_text is what the policy wrote after the forced `<mem>` prefix,
     e.g. 'moonfall directed by </mem> <search> moonfall directed by </search>'.
     - well-formed search: observation = the fact sentence ('moonfall directed by ada') or 'no result'
-    - well-formed answer: ends the episode; reward = em_count (0..k) if the WHOLE episode passes
-      validate_format, else 0.0
+    - well-formed answer: ends the episode; reward = em_count (0..k; answer_reward='all': k only when
+      every objective is right, gym.answer_reward) if the WHOLE episode passes validate_format, else 0.0
     - malformed turn: observation 'error : bad format', counted in n_invalid; the episode goes on
       but its final reward will be 0 (the format check covers every turn). A turn cut at the
       response limit (finish='length') is malformed whatever its text (its text fails the format
@@ -209,8 +209,9 @@ class MemoryEnv:
     - own budget: after max_turns turns without an answer the episode ends (stop='max_turns', 0).
     """
 
-    def __init__(self, max_turns=None, require_think=False):
+    def __init__(self, max_turns=None, require_think=False, answer_reward='em'):
         self.max_turns, self.require_think = max_turns, require_think
+        self.answer_reward = check_answer_reward(answer_reward)
 
     def reset(self, task):
         """Start an episode; returns the prompt (the question words)."""
@@ -246,10 +247,10 @@ class MemoryEnv:
 
     def _finish(self, stop, answer):
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
-        reward = float(s["em_count"]) if ok and stop == "answer" else 0.0
-        # success = every objective right AND a valid format: what the reward pays for in full
-        known = [q for q in self.quality if q is not None]
-        info = dict(stop=stop, success=reward == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,
+        scored = ok and stop == "answer"
+        reward = answer_reward(s, self.answer_reward) if scored else 0.0
+        known = [q for q in self.quality if q is not None]  # success: every objective right AND a valid format
+        info = dict(stop=stop, success=scored and s["em_count"] == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,
                     format_ok=ok, format_reason=reason, answer=answer, mem_quality_turns=list(self.quality),
                     mem_quality=sum(known) / len(known) if known else None, **s)
         return reward, True, info
@@ -422,6 +423,7 @@ def setup(cfg, vocab=None):
     oracle through the folded context. model tiny: a word vocabulary built from the gym's texts (or
     the checkpoint's `vocab`); any other model: its tokenizer and chat template (hf.chat_format, which
     raises ValueError naming what the model lacks)."""
+    check_answer_reward(cfg["answer_reward"])
     k = cfg["max_objectives"]
     if k < 1:
         raise ValueError(f"config key 'max_objectives' must be >= 1, got {k}")
@@ -441,5 +443,5 @@ def setup(cfg, vocab=None):
         policy = make_lossy_oracle(rng, p) if p else oracle_policy
         return folded_policy(with_detour(rng, detour, policy) if detour else policy)
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
-                make_env=MemoryEnv, warm_policy=warm, baselines={},
+                make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"]), warm_policy=warm, baselines={},
                 answer_text=answer_text)

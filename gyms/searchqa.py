@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hf
-from gym import read_jsonl, score_episode, strip_end_marker, validate_format
+from gym import answer_reward, check_answer_reward, read_jsonl, score_episode, strip_end_marker, validate_format
 
 MODEL = 'hf'
 KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking', 'answer_reward')
-ANSWER_REWARDS = ('em', 'f1')
 
 DATA = Path(__file__).resolve().parent.parent / 'data'
 SOURCES = {'hotpotqa': DATA / 'hotpotqa_dev_sample.jsonl', 'bamboogle': DATA / 'bamboogle.jsonl'}
@@ -244,13 +243,6 @@ def _tag(text, tag):
     return m.group(1).strip() if m else ''
 
 
-def check_answer_reward(answer_reward):
-    """Returns answer_reward ('em' or 'f1'); raises ValueError naming the config key otherwise."""
-    if answer_reward not in ANSWER_REWARDS:
-        raise ValueError(f"config key 'answer_reward' expects one of {', '.join(ANSWER_REWARDS)}, got {answer_reward!r}")
-    return answer_reward
-
-
 class SearchQAEnv:
     """One SearchQA episode (see the env protocol in the repo spec).
 
@@ -260,7 +252,7 @@ class SearchQAEnv:
     - a well-formed search turn: obs = top_k BM25 passages ('[1] title: text', ...), cut to
       max_obs_tokens tokens of `tokenizer` (words if None); plain text, not yet <tool_response>.
     - a well-formed answer turn ends the episode: reward = number of objectives answered exactly
-      (EM after normalisation; answer_reward='f1': the sum of their token F1, partial credit), when
+      (EM after normalisation; other answer_reward: gym.answer_reward), when
       the whole episode passes validate_format and, with require_search, searched at least once;
       else 0. info has em, f1, em_count, k, format_ok, format_reason, answer, n_search,
       stop='answer', success (all objectives exactly right, whichever the reward).
@@ -317,7 +309,7 @@ class SearchQAEnv:
         if ok and self.require_search and self.n_search == 0:
             ok, reason = False, 'answered without searching'
         scored = ok and stop == 'answer'
-        reward = (float(s['em_count']) if self.answer_reward == 'em' else s['f1'] * s['k']) if scored else 0.0
+        reward = answer_reward(s, self.answer_reward) if scored else 0.0
         info = dict(stop=stop, success=scored and s['em_count'] == s['k'], n_turns=len(self.turns), n_invalid=self.n_invalid,
                     n_search=self.n_search, format_ok=ok, format_reason=reason, answer=answer, **s)
         return reward, True, info

@@ -257,6 +257,28 @@ def test_env_partial_credit_and_budget():
     assert done and r == 0.0 and info["stop"] == "max_turns"
 
 
+def test_all_or_nothing_reward_pays_only_a_complete_answer(capsys):
+    """answer_reward='all': a two-part question pays 2 when both parts are right and 0 for one right
+    part (em_count still 1, so EM is scored as before); success is the same under either reward."""
+    t = next(t for t in g.make_tasks("train", 50) if len(t.golds) == 2)
+    both, one = " ; ".join(a[0] for a in t.golds), f"{t.golds[0][0]} ; wrong"
+    for how, answer, reward in [("all", both, 2.0), ("all", one, 0.0), ("em", both, 2.0), ("em", one, 1.0)]:
+        env = g.MemoryEnv(answer_reward=how)
+        env.reset(t)
+        _, r, done, info = env.step(f"m </mem> <answer> {answer} </answer>")
+        assert done and r == reward and info["success"] is (answer == both) and info["em_count"] == (2 if answer == both else 1)
+    with pytest.raises(ValueError, match="config key 'answer_reward' expects one of em, f1, all, got 'All'"):
+        g.MemoryEnv(answer_reward="All")
+    from config import load_config
+    gym_ = gym.load_gym(load_config(["config/tiny_mem.yaml", "--answer_reward=all", "--train_tasks=4", "--eval_tasks=4"]))
+    env = gym_["make_env"]()
+    env.reset(t)
+    assert env.step(f"m </mem> <answer> {one} </answer>")[1] == 0.0
+    with pytest.raises(SystemExit) as e:
+        gym.load_gym(load_config(["config/tiny_mem.yaml", "--answer_reward=All"]))
+    assert e.value.code == 2 and capsys.readouterr().err == "error: config key 'answer_reward' expects one of em, f1, all, got 'All'\n"
+
+
 def test_baselines_are_weak():
     ts = g.make_tasks("train", 200)
     assert sum(g.play(t, g.any_answer_policy)[2] for t in ts) == 0

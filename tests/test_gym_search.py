@@ -138,14 +138,14 @@ def test_f1_reward_gives_partial_credit_and_keeps_success_exact(task, capsys):
     env.reset(t)
     env.step(SEARCH)
     assert env.step(ANSWER.format(f'{t.golds[0][0]}; wrong'))[1] == pytest.approx(1.0)  # F1 1 + 0
-    with pytest.raises(ValueError, match="config key 'answer_reward' expects one of em, f1, got 'F1'"):
+    with pytest.raises(ValueError, match="config key 'answer_reward' expects one of em, f1, all, got 'F1'"):
         gs.SearchQAEnv(answer_reward='F1')
     from config import load_config
     from gym import load_gym
     with pytest.raises(SystemExit) as e:
         load_gym(load_config(['--gym=searchqa', '--model=tiny-qwen3', '--answer_reward=F1']))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == "error: config key 'answer_reward' expects one of em, f1, got 'F1'\n"
+    assert e.value.code == 2 and err == "error: config key 'answer_reward' expects one of em, f1, all, got 'F1'\n"
 
 
 def test_format_failures(task):
