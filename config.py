@@ -235,6 +235,9 @@ def check_values(cfg, defaults=config):
                 'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
         if cfg[key] < 1:
             return key, f"config key '{key}' must be >= 1, got {cfg[key]!r}"
+    if cfg['mini_batches'] > cfg['batch_size'] * cfg['group_size']:  # some optimizer steps would have no episode
+        return 'mini_batches', (f"config key 'mini_batches' ({cfg['mini_batches']}) is more than the {cfg['batch_size'] * cfg['group_size']} "
+                                f"episodes of a step (batch_size x group_size)")
     for key in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
                 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
                 'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):

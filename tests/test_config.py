@@ -50,6 +50,8 @@ def run_train(*args):
     (['config/smoke.yaml', '--steps', '3'], "config file not found: 3 (flags take their value after '=': --steps=3)"),
     (['config/smoke.yaml', 'steps=3'], "config file not found: steps=3 (a config key is written --steps=3)"),
     (['--log_every=0'], "config key 'log_every' must be >= 1, got 0"),
+    (['--batch_size=2', '--group_size=2', '--mini_batches=5'],
+     "config key 'mini_batches' (5) is more than the 4 episodes of a step (batch_size x group_size)"),
     (['--clip_low=2'], "config key 'clip_low' must be below 1, got 2.0"),
     (['--resume=True', '--overwrite=True'], '--resume=True continues the run in out_dir and --overwrite=True replaces it'),
     (['config/tiny_mem.yaml', '--max_objectives=0'], "config key 'max_objectives' must be >= 1, got 0"),
