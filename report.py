@@ -244,6 +244,13 @@ def _logger(kind, cfg):
     return _loggers[kind]
 
 
+def open_external(cfg):
+    """Open the TensorBoard writer and the wandb run the config asks for (a missing package: one notice)."""
+    for kind, wanted in (('tensorboard', cfg.get('tensorboard')), ('wandb', cfg.get('wandb_project'))):
+        if wanted:
+            _logger(kind, cfg)
+
+
 def log_external(cfg, log, step):
     """Mirror one metrics line (numbers only) to TensorBoard when cfg['tensorboard'] and to wandb when
     cfg['wandb_project'] is set, each only if installed (a missing one prints one notice)."""

@@ -522,6 +522,7 @@ def init_run(cfg):
         if cfg['group_size'] == 1:
             print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
                   "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
+        report.open_external(cfg)  # a missing tensorboard / wandb is said now, not after the step-0 evaluation
     return gym_, model, rng, gen, ckpt
 
 

@@ -164,6 +164,17 @@ def test_ctrl_c_prints_one_line_and_keeps_the_files(tmp_path):
     assert list(tmp_path.glob('ckpt_*.pt')) and (tmp_path / 'metrics.jsonl').read_text().startswith('{"step": 0')
 
 
+def test_missing_loggers_are_named_before_any_training(tmp_path):
+    """tensorboard / wandb asked for but not installed: one notice each, before the warm start and the
+    step-0 evaluation, and the run goes on logging to metrics.jsonl."""
+    if importlib.util.find_spec('wandb') or importlib.util.find_spec('tensorboard'):
+        pytest.skip('wandb or tensorboard is installed: the run would use it')
+    out = train(tmp_path, '--steps=0', '--tensorboard=True', '--wandb_project=p').stdout
+    notices = [out.index(f'log_external: {kind} is not installed') for kind in ('tensorboard', 'wandb')]
+    assert max(notices) < out.index('warm start') < out.index('step 0:') and out.count('is not installed') == 2
+    assert (tmp_path / 'metrics.jsonl').read_text().startswith('{"step": 0')
+
+
 def test_group_size_one_warns(tmp_path):
     p = train(tmp_path, '--steps=1', '--group_size=1', '--kl_type=k1', '--kl_coef=0.1')
     assert 'warning: group_size=1: a group of one is its own baseline' in p.stderr
