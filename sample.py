@@ -96,7 +96,7 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16, split='heldout'
     gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
     per = max(1, batch // samples)  # tasks per rollout batch; a task's samples stay together
     trajs = []
-    for i in tqdm(range(0, len(tasks), per), desc='eval', unit='batch', leave=False):
+    for i in tqdm(range(0, len(tasks), per), desc='eval', unit='batch', leave=False, disable=not sys.stderr.isatty()):
         chunk = tasks[i:i + per]
         trajs += run_tasks(policy_for(model, len(chunk) * samples, rng), gym_, cfg, chunk, samples, generator=gen,
                            temperature=0.0 if greedy else None)
