@@ -119,17 +119,18 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     advantage on <mem> tokens when mem_coef > 0. ref_logp [R, T-1] (or None) is here for methods that
     put the KL into the reward (REINFORCE++; README, "Swap the loss"). Returns (advantages, stats)."""
     out = grpo_advantage(batch['rewards'], batch['group_ids'], batch['valid'], cfg['adv_std'], cfg['adv_eps'])
-    stats, mem_adv = {}, None
+    # how much outcome signal the step has: 0 when every group's rewards are equal
+    stats = dict(outcome_adv_abs_mean=float(out[batch['valid']].abs().mean()) if batch['valid'].any() else 0.0)
+    mem_adv = None
     if cfg['mem_coef']:
         answers = [gym_['answer_text'](t.task) for t in trajs]
         t0 = time.time()
         mem_r, turn_valid = memory_rewards(model, trajs, gym_['fmt'], answers, cfg)
         mem_adv = memory_advantage(mem_r, turn_valid, batch['group_ids'], cfg['adv_eps'])
         n = turn_valid.sum().clamp(min=1)
-        stats = dict(mem_reward_time_s=time.time() - t0,  # issue #16: what the memory rewards add to a step
+        stats.update(mem_reward_time_s=time.time() - t0,  # issue #16: what the memory rewards add to a step
                      mem_reward_mean=float((mem_r * turn_valid).sum() / n),
                      mem_adv_abs_mean=float((mem_adv.abs() * turn_valid).sum() / n),
-                     outcome_adv_abs_mean=float(out[batch['valid']].abs().mean()) if batch['valid'].any() else 0.0,
                      **reward_quality_corr(mem_r, turn_valid, trajs))
     adv = token_advantages(out, batch['row_episode'], batch['action_mask'], mem_adv, batch['mem_mask'],
                            batch['turn_ids'], cfg['mem_coef'])

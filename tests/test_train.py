@@ -88,6 +88,8 @@ def test_evaluating_more_often_changes_no_training_number(reference, tmp_path):
     assert [{k: v for k, v in m.items() if not k.startswith('eval_')} for m in rows] == \
            [{k: v for k, v in m.items() if not k.startswith('eval_')} for m in reference]
     assert rows[-1] == reference[-1] and rows[0] == reference[0]
+    for m in rows[1:]:  # logged without the memory advantage too (mem_coef 0); no reward, no signal
+        assert m['outcome_adv_abs_mean'] >= 0 and (m['reward_mean'] > 0 or m['outcome_adv_abs_mean'] == 0)
 
 
 def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
