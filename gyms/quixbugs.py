@@ -25,7 +25,12 @@ Choices (documented here because they shape the reward):
   overall wall limit (total_timeout_s, default 20 s), which also ends code that sleeps. The child
   only prints what the program returned (repr); the comparison with the expected values happens
   here, in the parent, so the hidden answers never enter the sandbox (and an object whose __eq__
-  always says True gains nothing). Results are cached by (program, source text).
+  always says True gains nothing). The program shares the harness's interpreter, so it can always
+  write result lines; any record beyond or out of the harness's sequence (a duplicate, an unknown
+  case) makes the whole run FORGED (0 tests pass), and a record written instead of the harness's
+  passes only with the right value, i.e. as if the function had returned it. The hidden values are
+  not in any file the child can read either: see gyms/sandbox.py (HIDDEN_DIRS) for which kernel
+  guarantees that. Results are cached by (program, source text).
 - Simplified: one file per task; no imports between programs (the 31 JSON-tested programs need
   none); `read` always shows the whole file (at most ~60 lines).
 """
@@ -127,8 +132,9 @@ def make_tasks(split="train", seed=0, path=DATA_PATH):
 # ----------------------------------------------------------------------------- running the tests
 
 # The harness runs in the sandbox. CFG is substituted as a JSON string. It prints one line per case,
-# "<tag> {json}", with a random tag so the program's own output is never mistaken for a result (the
-# program's print() goes to a sink anyway). The per-case guard counts CPU time (ITIMER_PROF), so a
+# "<tag> {json}", with a random tag so the program's ordinary output is never mistaken for a result
+# (its print() goes to a sink anyway); the tag is no secret from the program: _parse_report rejects any
+# line sequence the harness would not write. The per-case guard counts CPU time (ITIMER_PROF), so a
 # loaded machine does not turn slow-but-correct cases into timeouts; sleeping is caught by the
 # sandbox's wall limit. SIGPROF raises _CaseTimeout (a BaseException, so `except Exception` in the
 # program does not swallow it); the timer's interval re-arms it if the program swallows it anyway.
@@ -224,26 +230,35 @@ def _judge(task, i, got_repr):
         return False
 
 
+FORGED = "the test process wrote result records the harness did not (forged, duplicate or out of order)"
+
+
 def _parse_report(task, stdout, tag):
-    """The child's tagged lines -> (load_error or None, {case index: record}, done flag)."""
-    load, cases, done = None, {}, False
-    wanted = set(task.run_ids)
-    for line in stdout.splitlines():
-        if not line.startswith(tag + " "):
-            continue
+    """The child's tagged lines -> (load_error or None, {case index: record}, done flag), or None if
+    they are not exactly a sequence the harness writes: one load record alone, or case records for a
+    prefix of task.run_ids in order (a timeout only last) and then at most one done record. The
+    program runs in the harness's interpreter and can write such lines itself; a record it adds makes
+    the sequence invalid, and one it writes in place of the harness's only counts with the value the
+    parent expects, which the child never sees. The unfinished last line (a kill mid-write) is dropped."""
+    load, cases, done, stopped = None, {}, False, False
+    recs = [line[len(tag):] for line in stdout.split("\n")[:-1] if line.startswith(tag)]
+    for n, text in enumerate(recs):
         try:
-            rec = json.loads(line[len(tag) + 1:])
+            rec = json.loads(text) if text.startswith(" ") else None
         except ValueError:
-            continue
-        if not isinstance(rec, dict):
-            continue
-        if isinstance(rec.get("load"), str) and load is None:
+            return None
+        if not isinstance(rec, dict) or done:
+            return None
+        if n == 0 and len(recs) == 1 and set(rec) == {"load"} and isinstance(rec["load"], str):
             load = rec["load"][:300]
-        elif rec.get("done") is True:
+        elif rec == {"done": True} and (stopped or len(cases) == len(task.run_ids)):
             done = True
-        elif (type(rec.get("i")) is int and rec["i"] in wanted and rec["i"] not in cases
-              and rec.get("s") in ("ok", "error", "timeout")):
+        elif (not stopped and len(cases) < len(task.run_ids) and type(rec.get("i")) is int
+              and rec["i"] == task.run_ids[len(cases)] and rec.get("s") in ("ok", "error", "timeout")):
             cases[rec["i"]] = rec
+            stopped = rec["s"] == "timeout"
+        else:
+            return None
     return load, cases, done
 
 
@@ -268,7 +283,8 @@ def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):
     """Run all runnable cases of `task` against `source` (str) in one sandbox process.
     case_timeout_s: CPU seconds per case (ITIMER_PROF in the child); total_timeout_s: wall seconds for
     the whole process. Returns a dict (shared with the cache: do not mutate):
-      load_error: str or None (the program did not compile / import / define the function)
+      load_error: str or None (the program did not compile / import / define the function, or FORGED:
+             its result records were not the harness's, which scores every case not_run)
       cases: {test index: dict(status, got, error)} for every index in task.run_ids, status one of
              'pass', 'wrong', 'error', 'timeout', 'not_run' (after a timeout or a crash)
       passed: int, total: int, sandbox: the sandbox's killed_reason, wall_s: float.
@@ -282,7 +298,8 @@ def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):
     tag = "@@qb-" + secrets.token_hex(8)
     res = sandbox.run_python(_harness(task, case_timeout_s, tag), timeout_s=total_timeout_s,
                              max_output_bytes=1 << 20, files={task.name + ".py": source})
-    load, recs, done = _parse_report(task, res["stdout"], tag)
+    report = _parse_report(task, res["stdout"], tag)
+    load, recs, done = report or (FORGED, {}, False)
     cases, stopped = {}, False
     for i in task.run_ids:
         rec = recs.get(i)

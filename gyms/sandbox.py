@@ -19,6 +19,9 @@ What one call does
     rlimits   (kernel) RLIMIT_CPU cpu_s seconds (default ceil(timeout_s) + 1), RLIMIT_AS memory_mb
               (big allocations raise MemoryError), RLIMIT_FSIZE FILE_SIZE_MB per file, RLIMIT_NOFILE,
               RLIMIT_CORE 0, RLIMIT_NPROC 0 (no fork / threads; the kernel never applies it to uid 0)
+    mountns   (kernel, unprivileged user namespaces or root) a new user and mount namespace: an empty
+              tmpfs covers each of HIDDEN_DIRS (the repo's data/ and .git/), and /proc/<pid>/root, cwd,
+              fd, mem, environ of every process outside the sandbox are refused (ptrace access check)
     nocaps    (kernel) no_new_privs, an empty capability bounding set and empty capability sets: a
               root child keeps uid 0 but loses every privilege (no mknod, mount, raw devices,
               DAC override, raising hard rlimits, ...)
@@ -34,15 +37,27 @@ What one call does
 - Stage 2 installs a PEP 578 audit hook, then runs main.py as __main__. The hook refuses with
   PermissionError: process creation, signals, sockets, changing rlimits, os.chdir, links, imports of
   ctypes / _posixsubprocess / multiprocessing / subinterpreters, replacing a function's __code__, any
-  write / create / delete / rename / chmod outside the working directory, and more than
-  MAX_CREATED_FILES files opened for writing. It gives clear errors and covers kernels without
-  seccomp / Landlock, but it is NOT a security boundary (see below).
+  write / create / delete / rename / chmod outside the working directory, more than
+  MAX_CREATED_FILES files opened for writing, and opening anything whose real path (symlinks and
+  /proc/<pid>/cwd-style links resolved) is in /proc or HIDDEN_DIRS. It gives clear errors and
+  covers kernels without seccomp / Landlock, but it is NOT a security boundary (see below).
+
+The hidden tests (HIDDEN_DIRS), by kernel:
+- Landlock: nothing outside the read list above can be read, /proc included: a kernel guarantee.
+- no Landlock, mountns (the usual case where user namespaces are allowed, or as root): HIDDEN_DIRS
+  are empty at their paths and no outside process's /proc links or memory can be opened: a kernel
+  guarantee for those directories; another copy elsewhere on the disk (a second checkout, a bind
+  mount of them at another path) stays readable.
+- neither (old kernel, containers that forbid both): only the audit hook refuses the reads, and code
+  that tampers with the interpreter can get past it (see below).
+In every case the callers (gyms/quixbugs.py) never send expected values into the child.
 
 What it does NOT protect against
 - Without Landlock (old kernel, disabled LSM, some containers): the child can READ every file the
-  trainer's user can read, and writes outside the working directory are refused by the audit hook
-  only. Without seccomp (other architectures): process creation and sockets are refused by the audit
-  hook only, and for a root trainer RLIMIT_NPROC does not apply. The audit hook runs inside the
+  trainer's user can read (but HIDDEN_DIRS with mountns, see above), and writes outside the
+  working directory are refused by the audit hook only. Without seccomp (other architectures):
+  process creation and sockets are refused by the audit hook only, and for a root trainer
+  RLIMIT_NPROC does not apply. The audit hook runs inside the
   untrusted interpreter; PEP 578 says hooks are not a sandbox (code can reach the hook's globals).
 - Root: the child keeps uid 0 (it cannot drop to `nobody` because the interpreter may live under
   /root); with the capability layer it has no privileges left, but files owned by root are still
@@ -70,15 +85,20 @@ from concurrent.futures import ThreadPoolExecutor
 FILE_SIZE_MB = 16        # RLIMIT_FSIZE: largest file the child may write
 MAX_OPEN_FILES = 64      # RLIMIT_NOFILE
 MAX_CREATED_FILES = 64   # files the child may open for writing (audit hook)
-KERNEL_LAYERS = True     # False skips nocaps / seccomp / landlock (to debug a platform where they misbehave)
+KERNEL_LAYERS = True     # False skips mountns / nocaps / seccomp / landlock (a platform where they misbehave)
+LANDLOCK = True          # False skips Landlock only (tests check what holds on a kernel without it)
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# directories the child must never read: the data (hidden tests) and the git objects that hold it too
+HIDDEN_DIRS = (os.path.join(_REPO, "data"), os.path.join(_REPO, ".git"))
 
 # Stage 1: trusted. argv: cpu_s, address-space bytes, file-size bytes, nofile, kernel layers 0/1,
-# stage-2 source.
+# Landlock 0/1, stage-2 source, hidden directories (real paths, one a line).
 # Every kernel layer is best effort: a missing feature is skipped, the list of applied ones is passed
 # to stage 2 (readable there as sys._sandbox_layers).
 STAGE1 = r'''
 import os, sys, resource
-cpu, mem, fsize, nofile, kernel = (int(a) for a in sys.argv[1:6])
+cpu, mem, fsize, nofile, kernel, landlock = (int(a) for a in sys.argv[1:7])
+hidden = [d for d in sys.argv[8].split("\n") if os.path.isdir(d)]
 layers = []
 for lim, v in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (mem, mem)),
                (resource.RLIMIT_FSIZE, (fsize, fsize)), (resource.RLIMIT_NOFILE, (nofile, nofile)),
@@ -95,6 +115,23 @@ try:
     C = ctypes.c_ulong
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
+    # mountns: a new user + mount namespace (its full capabilities are dropped below) with an empty
+    # read-only tmpfs over each hidden directory; from another user namespace the ptrace access check
+    # refuses /proc/<pid>/{root,cwd,fd,mem,environ} of every process outside it
+    try:
+        uid, gid = os.getuid(), os.getgid()
+        if hidden and libc.unshare(0x10000000 | 0x00020000) == 0:  # CLONE_NEWUSER | CLONE_NEWNS
+            for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"),
+                               ("gid_map", "%d %d 1" % (gid, gid))):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+            ok = libc.mount(b"none", b"/", None, C(0x44000), None) == 0  # MS_REC | MS_PRIVATE
+            for d in hidden:  # MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+                ok = ok and libc.mount(b"tmpfs", os.fsencode(d), b"tmpfs", C(15), b"size=4k,mode=0") == 0
+            if ok:
+                layers.append("mountns")
+    except OSError:
+        pass
     if libc.prctl(38, C(1), C(0), C(0), C(0)) != 0:  # PR_SET_NO_NEW_PRIVS, needed by the next two
         raise OSError("no_new_privs")
     # capabilities: empty bounding set (PR_CAPBSET_DROP, fails harmlessly past the last cap and for
@@ -128,7 +165,7 @@ try:
         if libc.prctl(22, C(2), ctypes.byref(Prog(len(prog), filt)), C(0), C(0)) == 0:
             layers.append("seccomp")
     # landlock
-    abi = libc.syscall(C(444), None, C(0), C(1))  # LANDLOCK_CREATE_RULESET_VERSION
+    abi = libc.syscall(C(444), None, C(0), C(1)) if landlock else 0  # LANDLOCK_CREATE_RULESET_VERSION
     if abi >= 1:
         fs_all = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1
         attr = (ctypes.c_uint64 * 3)(fs_all, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
@@ -169,7 +206,7 @@ try:
             os.close(rfd)
 except (OSError, AttributeError, ImportError):
     pass
-os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", sys.argv[6], ",".join(layers)])
+os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", sys.argv[7], ",".join(layers), sys.argv[8]])
 '''
 
 
@@ -183,18 +220,23 @@ def _setlit(names):
 STAGE2 = r'''
 import sys, os, builtins
 sys._sandbox_layers = tuple(x for x in sys.argv[1].split(",") if x) + ("audit",)
+_hidden = tuple(x for x in sys.argv[2].split("\n") if x) + ("/proc",)
 sys.argv = ["main.py"]
-def _make_hook(_root=os.path.realpath(os.getcwd()), _rp=os.path.realpath, _fspath=os.fspath,
-               _isinstance=isinstance, _str=str, _bytes=bytes, _int=int, _Err=PermissionError):
+def _make_hook(_root=os.path.realpath(os.getcwd()), _hidden=_hidden, _rp=os.path.realpath,
+               _fspath=os.fspath, _isinstance=isinstance, _str=str, _bytes=bytes, _int=int,
+               _Err=PermissionError):
     _created = [0]
-    def _inside(p):
-        if _isinstance(p, _int):
-            return True  # an already-open descriptor
+    def _under(p, roots):  # p (a path, not a descriptor) resolved lies in one of roots
         p = _fspath(p)
         if _isinstance(p, _bytes):
             p = p.decode("utf-8", "surrogateescape")
         p = _rp(p)
-        return p == _root or p.startswith(_root + "/")
+        for r in roots:
+            if p == r or p.startswith(r + "/"):
+                return True
+        return False
+    def _inside(p):
+        return _isinstance(p, _int) or _under(p, (_root,))  # an int: an already-open descriptor
     def hook(ev, args):
         if ev == "open":
             path, mode, flags = args
@@ -208,6 +250,8 @@ def _make_hook(_root=os.path.realpath(os.getcwd()), _rp=os.path.realpath, _fspat
                 _created[0] += 1
                 if _created[0] > %(max_created)d:
                     raise _Err("sandbox: too many files opened for writing")
+            elif path is not None and not _isinstance(path, _int) and _under(path, _hidden):
+                raise _Err("sandbox: reading /proc or a hidden directory is not allowed")
         elif ev in %(blocked)s or ev.startswith(("ctypes.", "socket.", "pty.", "winreg.")):
             raise _Err("sandbox: %%s is not allowed" %% ev)
         elif ev == "import" and args[0] in %(blocked_imports)s:
@@ -220,7 +264,7 @@ def _make_hook(_root=os.path.realpath(os.getcwd()), _rp=os.path.realpath, _fspat
                     raise _Err("sandbox: %%s outside the working directory is not allowed" %% ev)
     return hook
 sys.addaudithook(_make_hook())
-del _make_hook
+del _make_hook, _hidden
 with open("main.py", "rb") as _f:
     _code = compile(_f.read(), "main.py", "exec")
 exec(_code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": builtins})
@@ -283,9 +327,10 @@ def run_python(code, timeout_s=5.0, memory_mb=1024, max_output_bytes=65536, cpu_
         for name, text in files.items():
             with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
                 f.write(text)
+        hidden = "\n".join(os.path.realpath(d) for d in HIDDEN_DIRS)
         argv = [sys.executable, "-I", "-S", "-c", STAGE1, str(cpu_s), str(int(memory_mb) << 20),
-                str(FILE_SIZE_MB << 20), str(MAX_OPEN_FILES), str(int(KERNEL_LAYERS)),
-                STAGE2 if audit_hook else _STAGE2_NO_HOOK]
+                str(FILE_SIZE_MB << 20), str(MAX_OPEN_FILES), str(int(KERNEL_LAYERS)), str(int(LANDLOCK)),
+                STAGE2 if audit_hook else _STAGE2_NO_HOOK, hidden]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
