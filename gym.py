@@ -282,7 +282,8 @@ _NUM_DOT = re.compile(r"(?:(?<=\d)|(?<![\w.]))\.(?=\d)")              # a decima
 def normalize_answer(s):
     """Canonical form of an answer string for EM/F1.
 
-    Unicode NFKC (composed accents, full-width forms), case-folded (str.casefold: "Straße" ==
+    Unicode NFKC (composed accents, full-width forms), every format character (category Cf: zero-width
+    space, left-to-right mark, soft hyphen, ...) deleted, case-folded (str.casefold: "Straße" ==
     "STRASSE"), every Unicode punctuation character (category P*: hyphens and en/em dashes, curly
     quotes, ...) deleted, the articles a/an/the removed unless nothing else is left ("A" stays "a"),
     whitespace collapsed to single spaces. Never raises on a str.
@@ -293,7 +294,9 @@ def normalize_answer(s):
     ("9,984" == "9984"), as is a period that ends a sentence ("5." == "5"). Symbols (S*: $ % + °)
     are kept, as before.
     """
-    s = unicodedata.normalize("NFKC", s).casefold()
+    # invisible marks ride along with spans copied from passages (HotpotQA's hold U+200E after Arabic
+    # and Hebrew names): deleted first, so that they cannot split a word or part a sign from its digit
+    s = "".join(ch for ch in unicodedata.normalize("NFKC", s) if unicodedata.category(ch) != "Cf").casefold()
     s = _SIGN.sub("-", s)
     keep = {m.start() for m in _SIGN.finditer(s)} | {m.start() for m in _NUM_DOT.finditer(s)}
     # deleting (not spacing) punctuation keeps "semi-final" == "semifinal", as SQuAD's scorer does

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gym import OWNER, STOPS, GymContractError
+from gym import OWNER, STOPS, GymContractError, check_turn, strip_end_marker
 from model import (autocast, cache_layers, forward_cached, make_cache, micro_batches, position_ids_from_mask, sample_next,
                    select_cache, sequence_log_probs)
 
@@ -496,18 +496,29 @@ def answer_pieces(fmt, answer_text, open_tag='<answer>', close_tag='</answer>'):
     return o + a + c, [0] * len(o) + [1] * len(a) + [0] * len(c)
 
 
+def well_formed(turn, fmt, require_think):
+    """True when a <mem> gym's step took this turn (an Episode.turns dict) as well formed: it ended with
+    its stop token (finish 'stop') and its text after the forced <mem> passes gym.check_turn."""
+    text = '<mem> ' + strip_end_marker(fmt.decode(turn['response']))
+    return turn['finish'] == 'stop' and check_turn(text, require_think)[0] is not None
+
+
 @torch.no_grad()
 def memory_probs(model, trajs, fmt, answers, cfg):
     """(where, P_full [M], P_mem [M]) of the M turns memory_rewards scores: where lists their (episode n,
     turn k); see memory_rewards for the two contexts. For diagnosis (scripts/mem_reward_check.py)
     and for memory_rewards."""
     hists, full, short, where = [t.ids.tolist() for t in trajs], [], [], []
+    # searchqa's env requires <think> when either key is set; the memory gym reads neither (both stay False)
+    require_think = bool(cfg.get('require_think') or cfg.get('enable_thinking'))
     for n, t in enumerate(trajs):
         ans_ids, ans_mask = answer_pieces(fmt, answers[n])
         turn = t.turn.tolist()
         for k in range(1, len(t.turns)):
             mem_len = t.turns[k]['mem_len']
-            if mem_len == 0:
+            # a malformed turn already fails its episode; a memory reward on it would rank its span
+            # among the real ones (and move its group's normalisation pool)
+            if mem_len == 0 or not well_formed(t.turns[k], fmt, require_think):
                 continue
             start = turn.index(k)  # turn k's forced prefix, then its response
             end = start + len(fmt.turn_prefix) + mem_len  # the history through turn k's </mem>
@@ -533,7 +544,8 @@ def memory_rewards(model, trajs, fmt, answers, cfg):
     prefix there), so each history is run once and the answers of all its turns are scored on its
     KV cache (full_answer_probs); the P_mem contexts are short and run as plain rows (answer_probs).
     answers: the gold answer text per trajectory. Returns (mem_rewards [N, K], turn_valid [N, K]);
-    turns without a closed memory span or whose full context exceeds max_len are not valid."""
+    turns without a closed memory span, that fail the turn format (well_formed) or whose full context
+    exceeds max_len are not valid: reward 0, outside memory_advantage's statistics."""
     K = max(len(t.turns) for t in trajs)
     mem_r = torch.zeros(len(trajs), K)
     valid = torch.zeros(len(trajs), K, dtype=torch.bool)

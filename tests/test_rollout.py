@@ -201,7 +201,7 @@ def one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg):
     for n, t in enumerate(trajs):
         ans, amask = answer_pieces(fmt, answers[n])
         for k in range(1, len(t.turns)):
-            if t.turns[k]['mem_len']:
+            if t.turns[k]['mem_len'] and rollout.well_formed(t.turns[k], fmt, False):  # as the gym judged it
                 mem = fmt.turn_prefix + t.turns[k]['response'][:t.turns[k]['mem_len']]
                 full = t.ids.tolist()[:t.turn.tolist().index(k)] + mem
                 if len(full) + len(ans) <= cfg['max_len']:
@@ -221,7 +221,7 @@ def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn(mem_setup
     tasks = gm.make_tasks('train', 6, seed=3, n_objectives=(1, 3), hops=(1, 3))
     cfg = dict(CFG, max_tokens_per_microbatch=budget, max_turns=12)
     trajs = sampled(model, fmt, [gm.MemoryEnv() for _ in tasks], tasks, cfg)
-    trajs += rollout_batch([gm.folded_policy(gm.oracle_policy)] * 3, fmt, [gm.MemoryEnv() for _ in range(3)], tasks[:3], cfg)
+    trajs += rollout_batch([gm.folded_policy(gm.oracle_policy)] * 6, fmt, [gm.MemoryEnv() for _ in range(6)], tasks, cfg)
     answers = [gm.answer_text(t.task) for t in trajs]
     got = {}
     for name in ('answer_probs', 'full_answer_probs'):  # record what memory_rewards computed, in log space
