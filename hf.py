@@ -23,6 +23,7 @@ Owner codes (gym.OWNER): 0 template, 1 prompt, 2 policy, 3 tool.
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -69,6 +70,23 @@ def _package_dir(name):
 def chat_template_text(path=QWEN3_TEMPLATE):
     """Our Qwen3-format Jinja chat template, as a string."""
     return Path(path).read_text()
+
+
+_TEMPLATE_FILE = weakref.WeakKeyDictionary()   # tok -> (its chat_template, the file it was read from)
+
+
+def _set_template(tok, path=QWEN3_TEMPLATE):
+    """tok.chat_template = the file at path, remembered so that messages can name the file."""
+    tok.chat_template = chat_template_text(path)
+    _TEMPLATE_FILE[tok] = (tok.chat_template, str(path))
+
+
+def template_name(tok):
+    """The chat template's file when ours set it (e.g. 'templates/qwen3.jinja'), else the model's own."""
+    text, path = _TEMPLATE_FILE.get(tok, (None, ''))
+    if text == tok.chat_template:
+        return repr(path)
+    return f"the chat template of model {getattr(tok, 'name_or_path', '')!r}"
 
 
 def _build_qwen_tokenizer(out_dir):
@@ -128,7 +146,7 @@ def qwen_tokenizer(cache_dir=None):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(str(cache))
-    tok.chat_template = chat_template_text()
+    _set_template(tok)
     _check_qwen_tokenizer(tok)
     return tok
 
@@ -151,7 +169,7 @@ def render_tools_template(tok):
     Used for SmolLM2, whose ChatML template ignores tools. The tags (<tool_call>, <think>, ...) are
     then ordinary text to that vocabulary."""
     if not has_tool_template(tok):
-        tok.chat_template = chat_template_text()
+        _set_template(tok)
     return tok
 
 
@@ -198,7 +216,7 @@ def load_tokenizer(name, gguf_file='', chat_template=''):
     if chat_template:
         path = QWEN3_TEMPLATE if chat_template == 'qwen3' else Path(chat_template)
         try:
-            tok.chat_template = chat_template_text(path)
+            _set_template(tok, path)
         except OSError as e:
             raise OSError(f"config key 'chat_template': cannot read {str(path)!r} ({e.strerror}); "
                           f"use 'qwen3' or a path to a Jinja template") from None
@@ -323,13 +341,32 @@ def _common_end(tok, texts):
     return texts[0][encs[0]['offset_mapping'][-n][0]:] if n else ''
 
 
-def stop_ids(tok):
-    """Token ids that end an assistant turn: the template's end-of-turn token (chat_turns) plus eos
-    when that is a different id (Qwen: [151645]; SmolLM2: [2], eos and <|im_end|> being one id;
-    Llama 3: <|eot_id|>, then <|end_of_text|> if that is eos). Raises TurnsError as chat_turns."""
+def generation_eos_ids(model):
+    """The eos ids of a checkpoint's generation config (a list; [] when there is none): a local
+    folder's generation_config.json, or a hub name's already in the Hugging Face cache (never fetched).
+    Qwen3 checkpoints: [151645, 151643]."""
+    if not model or (Path(model).is_dir() and not (Path(model) / 'generation_config.json').is_file()):
+        return []
+    from transformers import GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(model, local_files_only=True).eos_token_id
+    except (OSError, ValueError):   # a hub name not in the cache, a file-less name such as 'tiny-qwen3'
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def stop_ids(tok, model=None):
+    """Token ids that end an assistant turn, in this order without repeats: the template's end-of-turn
+    token (chat_turns), the tokenizer's eos, and the eos ids of the checkpoint's generation config
+    (generation_eos_ids of model, default tok.name_or_path): a model stops on any of them when
+    deployed. Qwen: [151645] (+ 151643 from a Qwen3 checkpoint's config); SmolLM2: [2], eos and
+    <|im_end|> being one id; Llama 3: <|eot_id|>, then <|end_of_text|> if that is eos.
+    Raises TurnsError as chat_turns."""
     ids = [chat_turns(tok).end_id]
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
+    model = getattr(tok, 'name_or_path', '') if model is None else model
+    for i in [tok.eos_token_id] + generation_eos_ids(model):
+        if i is not None and i not in ids:
+            ids.append(i)
     return ids
 
 # -----------------------------------------------------------------------------
@@ -337,7 +374,9 @@ def stop_ids(tok):
 
 
 def _char_owners(text, messages, enable_thinking, turns=None):
-    """One owner code per character of a rendered conversation, turns (ChatTurns) its template's layout.
+    """(owner, data): one owner code per character of a rendered conversation, turns (ChatTurns) its
+    template's layout, and 1 per character of a message's content (0 elsewhere): text that came from
+    a prompt, a tool or a data file, never read as the template's special tokens (_encode).
 
     Message contents are located in order: a system/user content right after its anchor (Qwen3:
     `<|im_start|>role\\n`) is prompt, a tool content right after its anchor (`<tool_response>\\n`)
@@ -349,6 +388,7 @@ def _char_owners(text, messages, enable_thinking, turns=None):
     assistant turn, or turns is None and there is one).
     """
     label = bytearray(len(text))   # TEMPLATE everywhere unless claimed below
+    data = bytearray(len(text))
     pos = 0
     anchors = turns.anchors if turns else {}
     for k, m in enumerate(messages):
@@ -364,6 +404,9 @@ def _char_owners(text, messages, enable_thinking, turns=None):
             if not enable_thinking and turns.think and text.startswith(turns.think, start):
                 start += len(turns.think)
             label[start:end] = bytes([POLICY]) * (end - start)
+            c = text.find(content, start, e) if content else -1   # a scripted turn's text, not its end token
+            if c >= 0:
+                data[c:c + len(content)] = b'\1' * len(content)
             pos = end
         elif role in ('system', 'user', 'tool'):
             if not content:
@@ -376,17 +419,44 @@ def _char_owners(text, messages, enable_thinking, turns=None):
                 raise ValueError(f'message {k} ({role}): content not found verbatim in the rendering')
             owner = TOOL if role == 'tool' else PROMPT
             label[s:s + len(content)] = bytes([owner]) * len(content)
+            data[s:s + len(content)] = b'\1' * len(content)
             pos = s + len(content)
         else:
             raise ValueError(f'message {k}: unknown role {role!r}')
-    return label
+    return label, data
 
 
-def _owned_ids(tok, text, label):
-    """Tokenize text; each token takes the owner of its first character."""
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    owner = [label[a] if a < len(label) else TEMPLATE for a, _ in enc['offset_mapping']]
-    return list(enc['input_ids']), owner
+def _encode(tok, text, data=None):
+    """(ids, offsets) of text, offsets (start, end) in characters, where only the template's own
+    special tokens become special ids: special-token text overlapping data (a bytearray, 1 per
+    character of message content; None: all of text) is encoded as plain text, as with
+    split_special_tokens=True ('<|im_end|>' -> '<', '|', 'im', '_end', '|', '>'), so a tool result
+    or a prompt can never close its turn or open a fake one. Without such text: the plain encoding."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=data is None)
+    ids, offs = list(enc['input_ids']), list(enc['offset_mapping'])
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    if data is None or not any(i in special and any(data[a:b]) for i, (a, b) in zip(ids, offs)):
+        return ids, offs
+    # the tokenizer splits text at special tokens anyway: keep the template's, re-encode between them
+    keep = [(i, ab) for i, ab in zip(ids, offs) if i in special and not any(data[ab[0]:ab[1]])]
+    ids, offs, pos = [], [], 0
+    for i, (a, b) in keep + [(None, (len(text), len(text)))]:
+        if a > pos:
+            seg_ids, seg_offs = _encode(tok, text[pos:a])
+            ids += seg_ids
+            offs += [(pos + x, pos + y) for x, y in seg_offs]
+        if i is not None:
+            ids.append(i)
+            offs.append((a, b))
+        pos = b
+    return ids, offs
+
+
+def _owned_ids(tok, text, label, data):
+    """Tokenize text (_encode: special-token text in data stays text); each token takes the owner
+    of its first character. Returns (ids, owner), lists of equal length."""
+    ids, offs = _encode(tok, text, data)
+    return ids, [label[a] if a < len(label) else TEMPLATE for a, _ in offs]
 
 
 def render_conversation(tok, messages, tools=None, enable_thinking=True, add_generation_prompt=False):
@@ -395,7 +465,8 @@ def render_conversation(tok, messages, tools=None, enable_thinking=True, add_gen
     messages: [{'role': 'system'|'user'|'assistant'|'tool', 'content': str, ...}].
     Returns (ids, owner), two lists of equal length T; owner per token is 0 template (headers,
     tool schemas, tags), 1 prompt (system/user content), 2 policy (an assistant turn's text through
-    its end-of-turn token: <|im_end|>, <|eot_id|>), 3 tool (tool result text). A token straddling
+    its end-of-turn token: <|im_end|>, <|eot_id|>), 3 tool (tool result text). The only special
+    ids are the template's own: special-token text inside a message's content is plain text. A token straddling
     two regions (e.g. a tool result's final '.' merged with the template's '\\n') takes the owner
     of its first character.
     Note the template may rewrite history (Qwen3 drops earlier <think>): this is the rendering of
@@ -404,7 +475,7 @@ def render_conversation(tok, messages, tools=None, enable_thinking=True, add_gen
     the template's turns cannot be found (chat_turns).
     """
     text = render(tok, messages, tools, enable_thinking, add_generation_prompt)
-    return _owned_ids(tok, text, _char_owners(text, messages, enable_thinking, chat_turns(tok)))
+    return _owned_ids(tok, text, *_char_owners(text, messages, enable_thinking, chat_turns(tok)))
 
 
 def _prefix_ids(tok, prefix):
@@ -495,7 +566,7 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
     cuts = [1, 3, 5]   # conv[:cut] is the history when each assistant turn is sampled
     contexts = [render_conversation(tok, conv[:c], tools, enable_thinking, add_generation_prompt=True)[0] for c in cuts]
     for i in range(len(cuts) - 1):
-        sampled = contexts[i] + tok.encode(texts[i], add_special_tokens=False) + [end_id]
+        sampled = contexts[i] + _encode(tok, texts[i])[0] + [end_id]
         later = contexts[i + 1]
         n = min(len(sampled), len(later))
         j = next((j for j in range(n) if sampled[j] != later[j]), n if len(later) < len(sampled) else None)
@@ -509,22 +580,26 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
 # the rollout's format for a chat model
 
 
-def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False):
+def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False, model=None):
     """A Hugging Face tokenizer's chat template as a gym.Format: the prompt and each tool turn are the
     ids the template writes for them; the policy's turn ends with the end-of-turn token it samples
     (the template's: <|im_end|>, <|eot_id|>; a policy token). With memory every assistant turn is
     forced to open with '<mem>\\n' (with the newline: '>\\n' is how the BPE splits it in running
     text). A memory span ends with the token that completes '</mem>', which may also carry the next
     character: real vocabularies have no single </mem> id. A scripted turn's text gets the
-    end-of-turn token appended (end_turn). Raises ValueError, one line naming the model, when its
+    end-of-turn token appended (end_turn); its text (oracle turns, gold answers: data) and every
+    prompt and tool result are encoded so that special-token text in them stays text (_encode).
+    Stop ids: stop_ids(tok, model), model (the checkpoint's name or folder) by default tok.name_or_path.
+    With enable_thinking False and a template that renders the same with the switch on and off,
+    one warning line on stderr (rank 0) names the template. Raises ValueError, one line naming the model, when its
     template's turns cannot be found (chat_turns: no end-of-turn token in the vocabulary, no
     assistant header) or its template cannot render a prompt or a tool turn."""
     prefix = '<mem>\n' if memory else ''
     name = getattr(tok, 'name_or_path', '') or type(tok).__name__
     try:  # render one turn of each kind now: a template that cannot stops the run before any training
         end = chat_turns(tok).end_id
-        prompt_ids(tok, system, 'q', tools, enable_thinking)
-        tool_turn_ids(tok, 'o', tools, enable_thinking)
+        turns = [(prompt_ids(tok, system, 'q', tools, t), tool_turn_ids(tok, 'o', tools, t))
+                 for t in (enable_thinking, True)]   # as asked, and with thinking on
     except TurnsError as e:
         raise ValueError(f'model {name!r}: {e}') from None
     except Exception as e:
@@ -533,6 +608,9 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
     if tools and not has_tool_template(tok):  # never replaced behind the user's back
         raise ValueError(f"model {name!r}: its chat template cannot render tool schemas, which this gym needs; "
                          f"chat_template: qwen3 uses ours ({QWEN3_TEMPLATE.relative_to(TEMPLATE_DIR.parent)})")
+    if not enable_thinking and turns[0] == turns[1] and os.environ.get('RANK', '0') == '0':  # asked for, not given
+        print(f"warning: {template_name(tok)} ignores enable_thinking: it renders the same with it on and off, "
+              f"so config key 'enable_thinking: false' has no effect", file=sys.stderr)
 
     def mem_span(response):
         return span_through(tok, response, '</mem>') or 0
@@ -540,7 +618,7 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
     return Format(prompt=lambda text: prompt_ids(tok, system, text, tools, enable_thinking),
                   observation=lambda text: tool_turn_ids(tok, text, tools, enable_thinking),
                   decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                  encode=lambda text: tok.encode(text, add_special_tokens=False),
-                  stop_ids=stop_ids(tok), pad_id=tok.pad_token_id if tok.pad_token_id is not None else end,
+                  encode=lambda text: _encode(tok, text)[0],
+                  stop_ids=stop_ids(tok, model), pad_id=tok.pad_token_id if tok.pad_token_id is not None else end,
                   turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
                   mem_span=mem_span if memory else None, fold_close=[end] if memory else [], end_turn=[end])
