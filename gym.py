@@ -176,8 +176,10 @@ def word_format(tok, memory=False):
         ids = tok.encode(text)
         return [tok.bos_id] + ids, [T] + [P] * len(ids)
 
-    def observation(text):
-        ids = tok.encode(text)
+    framing = {tok.pad_id, tok.bos_id, tok.obs_id, tok.obs_end_id}
+
+    def observation(text):  # a framing word inside tool text (an echoed call) is <unk>: it cannot close the <obs>
+        ids = [tok.unk_id if i in framing else i for i in tok.encode(text)]
         return [tok.obs_id] + ids + [tok.obs_end_id], [T] + [X] * len(ids) + [T]
 
     def mem_span(response):
@@ -207,7 +209,7 @@ class GymContractError(ValueError):
 class WordTokenizer:
     """Word level: one whitespace-separated word is one id; a newline is the word <nl>. Specials have
     the fixed ids 0..15 (SPECIALS order). The vocabulary is closed: a gym lists every word it can
-    show, and encoding any other word raises (<unk> keeps its id but is never produced)."""
+    show, and encoding any other word raises (<unk> is produced only where an observation holds a framing word: word_format)."""
 
     def __init__(self, words):
         self.itos = list(dict.fromkeys(SPECIALS + list(words)))
