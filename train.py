@@ -153,10 +153,35 @@ def reward_quality_corr(mem_r, turn_valid, trajs):
     return {'mem_reward_quality_corr': float(r @ q) / denom} if denom > 0 else {}
 
 
-def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None):
+def update_mode(model):
+    """Dropout off for the update's forward passes (eval mode; gradients still flow): PPO's ratio
+    compares their log-probs with the sampler's, taken in eval mode, and dropout would make them
+    differ before any step (log-prob gaps of 0.1 to 0.25 at attention dropout 0.3). Hugging Face checkpoints a
+    layer only in training mode, so a checkpointing layer keeps training=True, not its children."""
+    model.eval()
+    for m in model.modules():
+        if getattr(m, 'gradient_checkpointing', False):
+            m.training = True
+
+
+def is_reference(model, ref_model):
+    """True when the policy's weights are the KL reference's (as at the first RL step), so its KL
+    term is 0. LoRA's reference is the base weights: the policy is it while every lora_B is 0."""
+    if ref_model is model:
+        return all(not p.any() for n, p in model.named_parameters() if 'lora_B' in n)
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None, at_reference=False):
     """ppo_epochs passes over shuffled mini-batches of episodes; one optimizer step per mini-batch,
     policy_loss() on each micro-batch. batch: collate() of this process's episodes; adv, ref_logp
-    [R, T-1] (ref_logp may be None). Returns a dict of metrics.
+    [R, T-1] (ref_logp may be None). at_reference: the policy's weights are the reference's
+    (is_reference()). Returns a dict of metrics.
+
+    A mini-batch with no signal takes no optimizer step: no trained token carries advantage and the
+    KL term is 0 (no reference, or k2 / k3 while the policy is still the reference). Its true gradient
+    is 0; the computed one is rounding (~1e-9: the reference's log-probs come from other batch shapes),
+    which Adam would turn into a full step. The forward passes run with dropout off (update_mode()).
 
     Data parallel (torchrun): each rank holds whole groups; episode_ids [N] are their indices in the
     global batch of n_global episodes. Every rank shuffles the global indices with the same rng, so
@@ -174,13 +199,16 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     max_ep_tokens = cfg['max_turns'] * cfg['max_response_tokens']
     sums = dict(clip_frac=0.0, kl=0.0, entropy=0.0, tokens=0.0, loss=0.0, log_ratio_clamped=0.0)
     m = dict(grad_norm=0.0, logp_gap_max=0.0, ratio_dev_first_minibatch=0.0, bad_steps=0)
-    first = True
-    model.train()
+    first, n_steps = True, cfg['ppo_epochs'] * cfg['mini_batches']
+    no_kl = ref_logp is None or not cfg['kl_coef']
+    kl_free = no_kl or (at_reference and cfg['kl_type'] != 'k1')  # at the reference k2, k3 have gradient 0; k1 not
+    update_mode(model)
     for epoch in range(cfg['ppo_epochs']):
         order = list(range(n_global))
         rng.shuffle(order)
         for mb_eps in [order[i::cfg['mini_batches']] for i in range(cfg['mini_batches'])]:
             rows = torch.nonzero(torch.isin(row_global, torch.tensor(mb_eps))).squeeze(1)
+            signal = not kl_free or all_reduce(float(((adv[rows] != 0) & mask[rows].bool()).sum())) > 0
             per_ep = torch.zeros(n_global).index_add_(0, row_global[rows], mask[rows].sum(1))
             w = loss_weights(mask[rows], row_global[rows], cfg['loss_agg'], max_ep_tokens,
                              n_tokens=all_reduce(float(per_ep.sum())), n_episodes=all_reduce(float((per_ep > 0).sum())))
@@ -198,7 +226,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
                 old = batch['sample_logp'][r, :L - 1].to(dev)
                 ref = ref_logp[r, :L - 1].to(dev) if ref_logp is not None else None
                 loss, st = policy_loss(logp, old, adv[r, :L - 1].to(dev), am, w[mb, :L - 1].to(dev), cfg, ref)
-                loss.backward()
+                if signal:  # else the loss is only logged
+                    loss.backward()
                 total += loss.item()
                 with torch.no_grad():
                     pol = am.bool()
@@ -213,6 +242,9 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
                                                              float((st['ratio'] - 1).abs()[pol].max()))
             first = False
             total = all_reduce(total)
+            if not signal:  # the true gradient is 0 (docstring): no step, not even AdamW's weight decay
+                sums['loss'] += total / n_steps
+                continue
             sync_gradients(model)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip']))
             if not (math.isfinite(total) and math.isfinite(grad_norm)):
@@ -220,7 +252,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
                 opt.zero_grad(set_to_none=True)
                 continue
             opt.step()
-            sums['loss'] += total / (cfg['ppo_epochs'] * cfg['mini_batches'])
+            kl_free = no_kl  # the policy has left the reference
+            sums['loss'] += total / n_steps
             m['grad_norm'] = max(m['grad_norm'], grad_norm)
     sums = {k: all_reduce(v) for k, v in sums.items()}
     m['loss'] = sums['loss'] / world_size()
@@ -231,7 +264,7 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     m['ratio_dev_first_minibatch'] = all_reduce(m['ratio_dev_first_minibatch'], 'max')
     if ref_logp is None:
         m['kl'] = None
-    if m['bad_steps'] == cfg['ppo_epochs'] * cfg['mini_batches']:  # every step skipped: no loss, not a loss of 0
+    if m['bad_steps'] == n_steps:  # every step skipped: no loss, not a loss of 0
         m['loss'] = m['grad_norm'] = None
     return m
 
@@ -268,7 +301,8 @@ def train_step(model, ref_model, opt, gym_, cfg, rng, gen):
     if not torch.isfinite(adv).all():
         raise FloatingPointError('non-finite advantages')
     episode_ids = torch.tensor([t.group * cfg['group_size'] + i % cfg['group_size'] for i, t in enumerate(trajs)])
-    m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'])
+    m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'],
+                   ref_model is not None and is_reference(model, ref_model))
     eps = gather([report.summarise(t) for t in trajs])
     log = dict(**report.episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
                tokens=sum(e.get('tt', 0) for e in eps),
@@ -360,11 +394,13 @@ def warm_start(model, gym_, cfg, rng):
             g['lr'] = cfg['warmstart_lr'] * min(1.0, (it + 1) / ramp) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         idx = torch.tensor([r for _ in range(cfg['warmstart_batch_size']) for r in rows_of[rng.randrange(n)]])
         loss = warm_start_loss(model, batch, idx, cfg)
+        losses.append(loss.item())
+        if not batch['action_mask'][idx].any():  # only scripted mistakes drawn: nothing to imitate, and
+            continue  # Adam's momentum would still move the weights
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         opt.step()
-        losses.append(loss.item())
     return sum(losses[-10:]) / len(losses[-10:])
 
 
