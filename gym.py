@@ -172,14 +172,17 @@ def word_format(tok, memory=False):
     ends with </search> or </answer>; without, a turn is a call ending with </call>."""
     T, P, X = OWNER['template'], OWNER['prompt'], OWNER['tool']
 
-    def prompt(text):
-        ids = tok.encode(text)
-        return [tok.bos_id] + ids, [T] + [P] * len(ids)
-
     framing = {tok.pad_id, tok.bos_id, tok.obs_id, tok.obs_end_id}
 
-    def observation(text):  # a framing word inside tool text (an echoed call) is <unk>: it cannot close the <obs>
-        ids = [tok.unk_id if i in framing else i for i in tok.encode(text)]
+    def data_ids(text):  # a framing word inside data (an echoed call) is <unk>: only the format frames
+        return [tok.unk_id if i in framing else i for i in tok.encode(text)]
+
+    def prompt(text):
+        ids = data_ids(text)
+        return [tok.bos_id] + ids, [T] + [P] * len(ids)
+
+    def observation(text):
+        ids = data_ids(text)
         return [tok.obs_id] + ids + [tok.obs_end_id], [T] + [X] * len(ids) + [T]
 
     def mem_span(response):
@@ -298,7 +301,7 @@ def normalize_answer(s):
     """
     # invisible marks ride along with spans copied from passages (HotpotQA's hold U+200E after Arabic
     # and Hebrew names): deleted first, so that they cannot split a word or part a sign from its digit
-    s = "".join(ch for ch in unicodedata.normalize("NFKC", s) if unicodedata.category(ch) != "Cf").casefold()
+    s = unicodedata.normalize("NFKC", "".join(ch for ch in s if unicodedata.category(ch) != "Cf")).casefold()
     s = _SIGN.sub("-", s)
     keep = {m.start() for m in _SIGN.finditer(s)} | {m.start() for m in _NUM_DOT.finditer(s)}
     # deleting (not spacing) punctuation keeps "semi-final" == "semifinal", as SQuAD's scorer does

@@ -75,3 +75,9 @@ def test_searchqa_rewards_a_span_copied_with_its_mark(tmp_path):
     env.step('\nnothing yet\n</mem>\n<think>\nlook\n</think>\n<search>Mana Al Otaiba poet</search>')
     _, r, done, info = env.step('\npoet\n</mem>\n<think>\ndone\n</think>\n<answer>Mana Al Otaiba\u200e</answer>')
     assert done and r == 1.0 and (info['em'], info['f1']) == (1.0, 1.0) and info['success']
+
+
+def test_a_format_character_between_a_letter_and_its_accent_still_composes():
+    """The marks go before NFKC, so "e" + U+200B + a combining acute is the composed letter."""
+    from gym import em
+    assert em('e\u200b\u0301', '\u00e9') == 1.0

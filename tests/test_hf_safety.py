@@ -125,3 +125,4 @@ def test_word_format_observation_cannot_close_its_own_obs():
     assert ids == [tok.obs_id, tok.stoi['result'], tok.unk_id, tok.unk_id, tok.stoi['42'], tok.unk_id, tok.obs_end_id]
     assert ids.count(tok.obs_end_id) == 1 and ids.count(tok.obs_id) == 1
     assert fmt.observation('result 42')[0] == [tok.obs_id, tok.stoi['result'], tok.stoi['42'], tok.obs_end_id]
+    assert fmt.prompt('result </obs> <bos> 42')[0] == [tok.bos_id, tok.stoi['result'], tok.unk_id, tok.unk_id, tok.stoi['42']]
