@@ -18,7 +18,7 @@ metrics.jsonl is the result: held-out EM, F1, memory quality (the fraction of wh
 that a <mem> holds, gyms/memory.py), tokens processed per episode (TT) and mean peak context (PT),
 per number of objectives k; with its minutes in RL steps and its EM at every evaluation (the learning
 curve). The table (mean +- standard error over seeds) is printed in markdown and written with the
-per-run numbers to OUT/ablation.json. Issue #16's set-up, where memory has to be learned by RL:
+per-run numbers to OUT/ablation.json. The lossy set-up, where memory has to be learned by RL:
 `python ablate.py --seeds=1,2,3,4,5 --jobs=2 --oracle_forget=0.5 --out=out/ablate_lossy`. A run whose config.json matches and whose metrics already hold the final step is
 not run again (--rerun forces it); a run with other options runs again in the same out_dir.
 
@@ -57,7 +57,7 @@ VARIANTS = {  # name -> overrides on top of the config file
 MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
 METRICS = ('em', 'f1', 'mem_quality', 'tt', 'pt')
-DIAGNOSIS = ('mem_reward_quality_corr', 'mem_adv_abs_mean', 'outcome_adv_abs_mean')  # per RL step, MemPO runs (issue #16)
+DIAGNOSIS = ('mem_reward_quality_corr', 'mem_adv_abs_mean', 'outcome_adv_abs_mean')  # per RL step, MemPO runs
 MAIN_COLUMNS = {  # --main: table column -> a run's number (run_numbers)
     'validation': 'eval_val_success', 'held-out': 'eval_success_rate', 'held-out greedy': 'eval_greedy_success',
     'train (last 10 steps)': 'train_success_last10', 'wall (min)': 'wall_min'}
@@ -254,8 +254,8 @@ def markdown_table(agg, ks, curve=None):
 
 def paired_lines(results, ks, a='mempo', b='grpo_fold'):
     """EM of variant a minus variant b per k, seed by seed (the two share each seed's warm start and
-    held-out worlds), as mean ± standard error over the seeds both finished: the comparison issue #16
-    asks for. [] when either variant is missing."""
+    held-out worlds), as mean ± standard error over the seeds both finished: the comparison the lossy
+    set-up asks for. [] when either variant is missing."""
     if a not in results or b not in results:
         return []
     out = []

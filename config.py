@@ -18,7 +18,7 @@ import sys
 import torch
 import yaml
 
-from gym import fail  # one line `error: ...`, exit status 2; the scripts import it from here
+from gym import fail, gym_module  # fail: one line `error: ...`, exit status 2; the scripts import it from here
 
 config = dict(
     # run
@@ -55,7 +55,7 @@ config = dict(
                                  # token F1 summed) | 'all' (k points only when all k are right; gym.answer_reward)
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
-    oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (issue #16)
+    oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
     oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
     val_tasks=0,                 # gym memory: validation tasks (worlds of their own), evaluated after held-out (eval_val_*)
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
@@ -223,77 +223,94 @@ def load_config(argv, defaults=config):
     return cfg
 
 
+# key -> (lowest, highest) (None: no upper bound), or (lowest, highest, what it is): then closed at the top
+RANGES = dict(
+    **{k: (1, None) for k in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns',
+                              'max_response_tokens', 'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples',
+                              'warmstart_batch_size', 'keep_checkpoints', 'max_tokens_per_microbatch', 'max_bad_steps',
+                              'train_variants')},
+    **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
+                              'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
+                              'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',
+                              'adv_eps', 'lora_rank')},
+    seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
+)
+CHOICES = dict(kl_type=('k1', 'k2', 'k3'), loss_agg=('token-mean', 'seq-mean', 'drgrpo'), dtype=('float32', 'bfloat16'))
+
+
 def check_values(cfg, defaults=config):
-    """Ranges and combinations of a merged config's values (defaults: what they were merged onto, to
-    tell a value set from one inherited). Returns None, or (key, one-line message) for the first bad
-    value: the key lets load_config name the config file the value came from."""
+    """Ranges (RANGES, CHOICES) and combinations of a merged config's values (defaults: what they were
+    merged onto, to tell a value set from one inherited). Returns None, or (key, one-line message)
+    for the first bad value: the key lets load_config name the file the value came from."""
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         return 'keep_tool_results', f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}"
-    for key in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns', 'max_response_tokens',
-                'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples', 'warmstart_batch_size', 'keep_checkpoints',
-                'max_tokens_per_microbatch', 'max_bad_steps', 'train_variants'):
-        if cfg[key] < 1:
-            return key, f"config key '{key}' must be >= 1, got {cfg[key]!r}"
-    if cfg['mini_batches'] > cfg['batch_size'] * cfg['group_size']:  # some optimizer steps would have no episode
-        return 'mini_batches', (f"config key 'mini_batches' ({cfg['mini_batches']}) is more than the {cfg['batch_size'] * cfg['group_size']} "
-                                f"episodes of a step (batch_size x group_size)")
-    for key in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes', 'train_tasks',
-                'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef', 'mem_coef', 'lr', 'warmstart_lr',
-                'weight_decay', 'clip_low', 'clip_high', 'grad_clip', 'adv_eps'):
-        if cfg[key] < 0:
-            return key, f"config key '{key}' must be >= 0, got {cfg[key]!r}"
     for key, value in cfg.items():  # nan and inf pass every comparison below and end in a traceback later
         if isinstance(value, float) and not math.isfinite(value):
             return key, f"config key '{key}' must be a finite number, got {value!r}"
-    if cfg['min_lr'] > cfg['lr']:
-        return 'min_lr', f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"
-    if not 0 <= cfg['seed'] < 2 ** 32:  # torch.manual_seed overflows past 64 bits, and evaluation seeds are multiples of it
-        return 'seed', f"config key 'seed' must be in [0, 2**32), got {cfg['seed']!r}"
-    for key in ('beta1', 'beta2'):
-        if not 0 <= cfg[key] < 1:
-            return key, f"config key '{key}' must be in [0, 1), got {cfg[key]!r}"
-    if cfg['lora_rank'] < 0 or cfg['lora_alpha'] <= 0:
-        return 'lora_rank', f"config keys 'lora_rank' (>= 0) and 'lora_alpha' (> 0), got {cfg['lora_rank']!r} and {cfg['lora_alpha']!r}"
-    if cfg['chat_template'] and cfg['model'] == 'tiny':
-        return 'chat_template', "config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template"
-    if cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'):  # it would be ignored
-        return 'gguf_file', f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none"
-    for key in ('n_layer', 'n_head', 'n_embd'):  # a pretrained model's shape is its own
-        if cfg['model'] != 'tiny' and cfg[key] != defaults[key]:
-            return key, f"config key '{key}' sizes the tiny model; model {cfg['model']!r} has its own (drop it)"
-    if cfg['lora_rank'] and cfg['model'] == 'tiny':
-        return 'lora_rank', "config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'"
-    for key in ('oracle_forget', 'oracle_detour'):
-        if not 0 <= cfg[key] <= 1:
-            return key, f"config key {key!r} is a probability, in [0, 1], got {cfg[key]!r}"
-    if cfg['model'] == 'tiny' and cfg['n_embd'] % cfg['n_head']:
-        return 'n_head', f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})"
-    if cfg['threads'] > (os.cpu_count() or 1):
-        return 'threads', f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores"
-    if cfg['max_len'] < cfg['max_response_tokens'] + 16:
-        return 'max_len', (f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
-                           f"max_response_tokens={cfg['max_response_tokens']}")
-    if cfg['temperature'] <= 0:
-        return 'temperature', f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}"
+    for key, (low, high, *what) in RANGES.items():
+        if cfg[key] < low or (high is not None and (cfg[key] > high if what else cfg[key] >= high)):
+            bound = f'must be >= {low}' if high is None else f"is {what[0]}, in [{low}, {high}]" if what else \
+                f'must be in [{low}, {high})'
+            return key, f"config key '{key}' {bound}, got {cfg[key]!r}"
+    for key, allowed in CHOICES.items():
+        if cfg[key] not in allowed:
+            return key, f"config key '{key}' must be one of {', '.join(allowed)}, got {cfg[key]!r}"
+    return check_combinations(cfg, defaults)
+
+
+def check_combinations(cfg, defaults):
+    """Values fine alone but not together (or not on this machine): (key, message) or None."""
+    tiny, out_dir = cfg['model'] == 'tiny', os.path.expanduser(cfg['out_dir'])
     try:
         dev = torch.device(cfg['device'])
     except RuntimeError:
         return 'device', f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)"
-    if dev.type not in ('cpu', 'cuda'):
-        return 'device', f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)"
-    if cfg['clip_low'] >= 1:  # the ratio's lower bound 1 - clip_low would be <= 0
-        return 'clip_low', f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}"
-    if cfg['resume'] and cfg['overwrite']:
-        return 'resume', "--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one"
-    out_dir = os.path.expanduser(cfg['out_dir'])
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        return 'out_dir', f"config key 'out_dir' names a file, not a folder: {out_dir}"
-    for key, allowed in [('kl_type', ('k1', 'k2', 'k3')), ('loss_agg', ('token-mean', 'seq-mean', 'drgrpo')),
-                         ('dtype', ('float32', 'bfloat16'))]:
-        if cfg[key] not in allowed:
-            return key, f"config key '{key}' must be one of {', '.join(allowed)}, got {cfg[key]!r}"
-    return None
+    shape = next((k for k in ('n_layer', 'n_head', 'n_embd') if not tiny and cfg[k] != defaults[k]), None)
+    rules = [  # (wrong, key, message)
+        (cfg['mini_batches'] > cfg['batch_size'] * cfg['group_size'], 'mini_batches',  # some steps would have no episode
+         f"config key 'mini_batches' ({cfg['mini_batches']}) is more than the {cfg['batch_size'] * cfg['group_size']} "
+         f"episodes of a step (batch_size x group_size)"),
+        (cfg['min_lr'] > cfg['lr'], 'min_lr',
+         f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"),
+        (cfg['lora_alpha'] <= 0, 'lora_alpha', f"config key 'lora_alpha' must be > 0, got {cfg['lora_alpha']!r}"),
+        (cfg['chat_template'] and tiny, 'chat_template',
+         "config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template"),
+        (cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'), 'gguf_file',  # it would be ignored
+         f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none"),
+        (shape is not None, shape, f"config key '{shape}' sizes the tiny model; model {cfg['model']!r} has its own (drop it)"),
+        (cfg['lora_rank'] and tiny, 'lora_rank',
+         "config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'"),
+        (tiny and cfg['n_embd'] % cfg['n_head'], 'n_head', f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})"),
+        (cfg['threads'] > (os.cpu_count() or 1), 'threads',
+         f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores"),
+        (cfg['max_len'] < cfg['max_response_tokens'] + 16, 'max_len', f"config key 'max_len' ({cfg['max_len']}) leaves no "
+         f"room for a prompt and a response of max_response_tokens={cfg['max_response_tokens']}"),
+        (cfg['temperature'] <= 0, 'temperature',
+         f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}"),
+        (dev.type not in ('cpu', 'cuda'), 'device', f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)"),
+        (cfg['clip_low'] >= 1, 'clip_low', f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}"),  # ratio >= 0
+        (cfg['resume'] and cfg['overwrite'], 'resume',
+         "--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one"),
+        (os.path.exists(out_dir) and not os.path.isdir(out_dir), 'out_dir',
+         f"config key 'out_dir' names a file, not a folder: {out_dir}"),
+    ]
+    return next(((key, msg) for wrong, key, msg in rules if wrong), None)
+
+
+def check_run(cfg, master=True):
+    """What a training run checks beyond the values, before it makes anything: the device exists, the gym
+    is known and reads every gym key set (gym.gym_module); each exits 2 with one line. Warns (rank 0)
+    of settings that run but teach little."""
+    if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
+        fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
+    gym_module(cfg, config)
+    if master and cfg['kl_type'] == 'k1' and cfg['kl_coef']:
+        print("warning: kl_type=k1 as a loss has zero gradient in expectation: the KL term holds nothing "
+              "back (use k2 or k3)", file=sys.stderr)
+    if master and cfg['group_size'] == 1:
+        print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
+              "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------

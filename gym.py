@@ -1,7 +1,7 @@
 """
-The gym contract, loading a gym by name, and what every gym shares: token owners and formats (how
-text becomes ids), the word tokenizer of the tiny model, JSONL data files, answer scoring (EM/F1)
-and the <mem> turn format.
+The gym contract and its enforcement, loading a gym by name, token owners and formats (how text
+becomes ids), the word tokenizer of the tiny model, and JSONL data files. What only the QA gyms share
+(EM/F1, answer rewards, the <mem> turn format) is in gyms/answers.py.
 
 A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It defines
     MODEL   'tiny': the gym builds its own word vocabulary and needs model: tiny;
@@ -13,7 +13,7 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
         tok           a WordTokenizer (MODEL 'tiny') or a Hugging Face tokenizer
         fmt           a Format: word_format(tok, ...) or hf.chat_format(tok, ...)
         train_tasks   non-empty lists of tasks (any objects the env's reset takes); eval_tasks are
-        eval_tasks    the held-out ones
+        eval_tasks    the held-out ones (an optional val_tasks: a validation split)
         make_env      () -> a fresh env
         warm_policy   rng -> a scripted policy (episode -> action text) to warm-start from, or None;
                       a turn it returns as (text, False) is played but not trained on (a mistake)
@@ -28,23 +28,24 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
 An env (make_env()) has
     reset(task) -> the prompt text
     step(action_text, finish='stop') -> (observation text, reward float, done bool, info dict)
-        reward is the episode's outcome, given with done=True (0 before: GymContractError otherwise).
-        action_text is the policy's decoded turn. finish is 'length' when the turn reached
-        max_response_tokens without its stop token: the env then runs no tool and answers as to a
-        malformed turn (a turn used). When done, info holds `success` (bool, the task solved) and
-        `stop` (one of STOPS); rollout.py stops the run with a ValueError otherwise.
+        reward is the episode's outcome, given with done=True (0 before). action_text is the
+        policy's decoded turn. finish is 'length' when the turn reached max_response_tokens without
+        its stop token: the env then runs no tool and answers as to a malformed turn (a turn used).
+        When done, info holds `success` (bool, the task solved) and `stop` (one of STOPS). info may
+        hold `turn_ok` (bool): whether this turn kept the gym's turn format (default: it ended with
+        its stop token); MemPO's memory reward scores only such turns.
 The rollout itself ends an episode 'truncated' (out of max_turns or max_len, reward 0) or 'env_error'
-(step raised: the episode is invalid); every other stop is the gym's.
+(step raised: the episode is invalid); every other stop is the gym's. rollout.py calls an env only
+through checked_reset and checked_step below, which hold the contract.
 """
 
 import difflib
 import importlib
 import json
+import math
+import numbers
 import os
-import re
 import sys
-import unicodedata
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -53,6 +54,83 @@ from typing import Callable
 STOPS = ('answer', 'submit', 'over', 'env_error', 'truncated', 'budget', 'max_turns')
 TRUNCATED = STOPS[-3:]
 OWNER = {'template': 0, 'prompt': 1, 'policy': 2, 'tool': 3}  # who wrote a token
+
+
+class GymContractError(ValueError):
+    """A gym broke the contract above: train.py stops with one line naming the env class."""
+
+
+def checked_reset(env, task):
+    """env.reset(task): the prompt text. Raises GymContractError when it is not a str."""
+    text = env.reset(task)
+    if not isinstance(text, str):
+        raise GymContractError(f"{type(env).__name__}.reset returned {type(text).__name__}, not the prompt text (str)")
+    return text
+
+
+def checked_step(env, action, finish):
+    """env.step(action, finish) -> (observation, reward, done, info), held to the contract.
+
+    An env that raises ends its episode: done, reward 0, info with stop 'env_error', the error and
+    invalid=True (the episode is left out of the update, not the run). A final reward that is not a
+    finite number (None, NaN, '1', True) likewise: reward 0, invalid, the error named; a NaN would
+    poison its group's mean and std. info always holds turn_ok. Raises GymContractError (the gym is
+    broken in every episode) for a result that is not a 4-tuple, a finished episode's info without
+    success or a stop in STOPS, a reward before done, or an observation that is not text."""
+    name = type(env).__name__
+    try:
+        out = env.step(action, finish)
+    except Exception as e:
+        return '', 0.0, True, dict(error=f'{type(e).__name__}: {e}', invalid=True, stop='env_error', success=False,
+                                   turn_ok=False)
+    if not (isinstance(out, tuple) and len(out) == 4):
+        raise GymContractError(f"{name}.step returned {type(out).__name__}"
+                               f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not (observation, reward, done, info)")
+    obs, reward, done, info = out
+    if done:
+        missing = [k for k in ('success', 'stop') if not isinstance(info, dict) or k not in info]
+        if missing:
+            raise GymContractError(f"{name}.step returned done=True without info[{missing[0]!r}] (gym.py: a finished "
+                                   f"episode's info holds success and stop)")
+        if info['stop'] not in STOPS:
+            raise GymContractError(f"{name}.step returned done=True with info['stop']={info['stop']!r}, not one of "
+                                   f"gym.STOPS ({', '.join(STOPS)})")
+        info = dict(info)
+        is_number = isinstance(reward, numbers.Real) and not isinstance(reward, bool)  # numpy's too; not '1', not True
+        if not (is_number and math.isfinite(reward)):
+            info.setdefault('error', f'reward {reward!r} is not a finite number')
+            reward, info['invalid'] = 0.0, True
+    elif reward != 0:  # the outcome is per episode: a reward before done would be dropped without a word
+        raise GymContractError(f"{name}.step returned reward {reward!r} before done; rewards are per episode, "
+                               f"given with done=True")
+    elif not isinstance(obs, str):  # encoding it would fail deep inside the tokenizer
+        raise GymContractError(f"{name}.step returned a {type(obs).__name__} observation, not text (str)")
+    info = dict(info or {})
+    info.setdefault('turn_ok', finish == 'stop')
+    return obs, float(reward), done, info
+
+
+def scripted_turn(said):
+    """What a scripted (warm_policy) policy returned -> (text, train): text alone trains; (text, False)
+    is a mistake to play but not train on. Anything else raises GymContractError."""
+    text, train = said if isinstance(said, tuple) and len(said) == 2 else (said, True)
+    if not isinstance(text, str) or train not in (True, False):
+        raise GymContractError(f"a scripted policy returned {said!r}; it returns the turn's text, or "
+                               f"(text, False) for a mistake not to train on")
+    return text, train
+
+
+def check_prompts_fit(gym_, cfg):
+    """Raise ValueError when some task's first context (its prompt and fmt.turn_prefix) plus
+    max_response_tokens exceeds max_len: the rollout would end that episode 'truncated' before its
+    first turn. Resets a fresh make_env() per task (cheap: 16096 tasks take 0.1 s). Returns the
+    longest first context in tokens."""
+    fmt, tasks = gym_['fmt'], list(gym_['train_tasks']) + list(gym_['eval_tasks'])
+    longest = max((len(fmt.prompt(checked_reset(gym_['make_env'](), t))[0]) for t in tasks), default=0) + len(fmt.turn_prefix)
+    if longest + cfg['max_response_tokens'] > cfg['max_len']:
+        raise ValueError(f"max_len={cfg['max_len']} is too short: the longest prompt is {longest} tokens and a "
+                         f"turn needs max_response_tokens={cfg['max_response_tokens']} more")
+    return longest
 
 # -----------------------------------------------------------------------------
 # loading a gym
@@ -124,7 +202,7 @@ def load_gym(cfg, vocab=None, defaults=None):
     (config.config), for gym_module's key check. Every error exits with status 2 and one line: those
     of gym_module, bad data (OSError or ValueError from setup), a missing key in setup's dict, an
     empty split, more eval_tasks asked for than the gym has, a checkpoint vocabulary without some
-    word of the gym's texts."""
+    word of the gym's texts, a prompt too long for max_len (check_prompts_fit)."""
     mod, name = gym_module(cfg, defaults), cfg['gym']
     try:
         gym_ = mod.setup(cfg, vocab)
@@ -142,6 +220,10 @@ def load_gym(cfg, vocab=None, defaults=None):
     missing = getattr(gym_['tok'], 'missing', None)
     if missing:
         fail(f"the checkpoint's vocabulary lacks {len(missing)} words of gym {name!r} (e.g. {missing[0]!r})")
+    try:
+        check_prompts_fit(gym_, cfg)
+    except ValueError as e:  # GymContractError too: a reset that returns no text
+        fail(str(e).splitlines()[0])
     return gym_
 
 # -----------------------------------------------------------------------------
@@ -203,10 +285,6 @@ SPECIALS = ['<pad>', '<bos>', '<unk>', '<obs>', '</obs>', '<call>', '</call>', '
 
 class OutOfVocabulary(ValueError):
     """A text with a word the tiny model's vocabulary lacks (WordTokenizer.encode)."""
-
-
-class GymContractError(ValueError):
-    """A gym broke the contract above (rollout.check_done_info): train.py stops with one line."""
 
 
 class WordTokenizer:
@@ -273,232 +351,3 @@ def read_jsonl(path):
                 raise ValueError(f'{path}:{n}: expected a JSON object, got {type(row).__name__}')
             rows.append((n, row))
     return rows
-
-
-# -----------------------------------------------------------------------------
-# answers and the <mem> turn format, shared by the gyms whose turns are <mem> [<think>] then
-# <search> or <answer> (MemPO)
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_SIGN = re.compile(r"(?<![\w.])[-\u2010\u2012\u2013\u2212](?=\d)")  # a minus/dash before a digit, not after a word
-_NUM_DOT = re.compile(r"(?:(?<=\d)|(?<![\w.]))\.(?=\d)")              # a decimal point: 1.5, .5
-
-
-def normalize_answer(s):
-    """Canonical form of an answer string for EM/F1.
-
-    Unicode NFKC (composed accents, full-width forms), every format character (category Cf: zero-width
-    space, left-to-right mark, soft hyphen, ...) deleted, case-folded (str.casefold: "Straße" ==
-    "STRASSE"), every Unicode punctuation character (category P*: hyphens and en/em dashes, curly
-    quotes, ...) deleted, the articles a/an/the removed unless nothing else is left ("A" stays "a"),
-    whitespace collapsed to single spaces. Never raises on a str.
-
-    Unlike SQuAD's normaliser, which strips all punctuation (so "10.8" == "108" and "-5" == "5"),
-    numbers keep their identity: a decimal point (1.5, .5) and a leading sign are kept, and a sign
-    written as U+2212 or a dash becomes "-". A thousands comma is deleted like other punctuation
-    ("9,984" == "9984"), as is a period that ends a sentence ("5." == "5"). Symbols (S*: $ % + °)
-    are kept, as before.
-    """
-    # invisible marks ride along with spans copied from passages (HotpotQA's hold U+200E after Arabic
-    # and Hebrew names): deleted first, so that they cannot split a word or part a sign from its digit
-    s = unicodedata.normalize("NFKC", "".join(ch for ch in s if unicodedata.category(ch) != "Cf")).casefold()
-    s = _SIGN.sub("-", s)
-    keep = {m.start() for m in _SIGN.finditer(s)} | {m.start() for m in _NUM_DOT.finditer(s)}
-    # deleting (not spacing) punctuation keeps "semi-final" == "semifinal", as SQuAD's scorer does
-    s = "".join(ch for i, ch in enumerate(s) if i in keep or not unicodedata.category(ch).startswith("P"))
-    return " ".join(_ARTICLES.sub(" ", s).split()) or " ".join(s.split())
-
-
-def _as_list(golds):
-    return [golds] if isinstance(golds, str) else list(golds)
-
-
-def em(pred, golds):
-    """Exact match of one answer against gold aliases: 1.0 if the normalised pred equals any
-    normalised gold, else 0.0. An answer that normalises to "" never matches (not even a gold
-    that also normalises to ""): an empty <answer> must not earn reward. golds: str or list[str]."""
-    p = normalize_answer(pred)
-    if not p:
-        return 0.0
-    return float(any(p == normalize_answer(g) for g in _as_list(golds)))
-
-
-def f1(pred, golds):
-    """Token-level F1 (SQuAD style, on normalised words) of one answer, max over gold aliases.
-    Returns a float in [0, 1]; an empty normalised pred or gold scores 0."""
-    pt = normalize_answer(pred).split()
-    best = 0.0
-    for g in _as_list(golds):
-        gt = normalize_answer(g).split()
-        common = sum((Counter(pt) & Counter(gt)).values())
-        if not pt or not gt or common == 0:
-            continue
-        prec, rec = common / len(pt), common / len(gt)
-        best = max(best, 2 * prec * rec / (prec + rec))
-    return best
-
-
-def score_answers(pred, golds):
-    """Score a multi-objective answer `a1 ; a2 ; ...` against k objectives.
-
-    pred: the answer text (content of <answer>), split on ';'; part i is scored against objective i.
-    Missing parts score 0; parts beyond k are ignored (position-aligned, so they cannot hedge).
-    golds: list of k alias lists, e.g. [["oslo"], ["ada", "ada lovelace"]]; a flat list[str] is
-    taken as one objective with those aliases.
-    Returns dict(em_count: int 0..k, em: em_count / k, f1: mean per-objective F1, k: int).
-    """
-    golds = [golds] if golds and all(isinstance(g, str) for g in golds) else list(golds)
-    k = len(golds)
-    if k == 0:
-        return dict(em_count=0, em=0.0, f1=0.0, k=0)
-    parts = pred.split(";")
-    parts += [""] * (k - len(parts))
-    ems = [em(p, g) for p, g in zip(parts, golds)]
-    f1s = [f1(p, g) for p, g in zip(parts, golds)]
-    return dict(em_count=int(sum(ems)), em=sum(ems) / k, f1=sum(f1s) / k, k=k)
-
-
-ANSWER_REWARDS = ('em', 'f1', 'all')
-
-
-def check_answer_reward(answer_reward):
-    """Returns answer_reward (one of ANSWER_REWARDS); raises ValueError naming the config key otherwise."""
-    if answer_reward not in ANSWER_REWARDS:
-        raise ValueError(f"config key 'answer_reward' expects one of {', '.join(ANSWER_REWARDS)}, got {answer_reward!r}")
-    return answer_reward
-
-
-def answer_reward(scores, how):
-    """The reward of a well-formed answer from score_answers' dict, in points (0..k for k objectives):
-    'em' the objectives answered exactly (MemPO's outcome reward: 1 point, 2 for a two-part question);
-    'f1' the sum of their token F1 (partial credit for partial words); 'all' k when every objective is
-    exactly right, else 0 (no credit for part of the answer, so answering before every objective is
-    found earns nothing unless the guess is right)."""
-    if how == 'all':
-        return float(scores['k']) if scores['em_count'] == scores['k'] else 0.0
-    return float(scores['em_count']) if how == 'em' else scores['f1'] * scores['k']
-
-
-TAGS = ("mem", "think", "search", "answer")
-_TAG_RE = re.compile(r"<(/?)(mem|think|search|answer)>")
-END_MARKERS = ('<|im_end|>', '<|endoftext|>', '<|eot_id|>')  # chat models' end-of-turn tokens as text
-
-
-def strip_end_marker(text):
-    """A decoded turn without a trailing end-of-turn token (decoding normally skips it; a tokenizer
-    that does not mark it special leaves it in the text) and the whitespace around it."""
-    text = text.rstrip()
-    for marker in END_MARKERS:
-        if text.endswith(marker):
-            return text[:-len(marker)].rstrip()
-    return text
-
-
-def _parse_turn(text):
-    """Split one assistant turn into [(tag, content)] blocks, or return (None, reason)."""
-    blocks, open_tag, pos, start = [], None, 0, 0
-    for m in _TAG_RE.finditer(text):
-        closing, name = m.group(1) == "/", m.group(2)
-        between = text[pos:m.start()]
-        if open_tag is None:
-            if between.strip():
-                return None, "text outside tags"
-            if closing:
-                return None, f"unbalanced </{name}>"
-            open_tag, start = name, m.end()
-        else:
-            if not closing:
-                return None, f"nested <{name}> inside <{open_tag}>"
-            if name != open_tag:
-                return None, f"</{name}> closes <{open_tag}>"
-            if not text[start:m.start()].strip():
-                return None, f"empty <{name}>"
-            blocks.append((name, text[start:m.start()].strip()))
-            open_tag = None
-        pos = m.end()
-    if open_tag is not None:
-        return None, f"unclosed <{open_tag}>"
-    if text[pos:].strip():
-        return None, "text outside tags"
-    return blocks, "ok"
-
-
-def check_turn(text, require_think):
-    """One turn's full text -> (action, reason): action is 'search' or 'answer' for a well-formed
-    turn (see validate_format), else None with the reason."""
-    blocks, reason = _parse_turn(text)
-    if blocks is None:
-        return None, reason
-    names = [b[0] for b in blocks]
-    for n in TAGS:
-        if names.count(n) > 1:
-            return None, f"duplicated <{n}>"
-    if not names or names[0] != "mem":
-        return None, "missing <mem> at start"
-    body = names[1:]
-    if body and body[0] == "think":
-        body = body[1:]
-    elif require_think:
-        return None, "missing <think>"
-    if len(body) != 1 or body[0] not in ("search", "answer"):
-        return None, "need exactly one <search> or <answer> after <mem>"
-    return body[0], "ok"
-
-
-def validate_format(turns, require_think=False):
-    """Check the format of a whole episode.
-
-    turns: list[str], every assistant turn's full text INCLUDING the forced `<mem>` prefix.
-    Rules: each turn is `<mem>..</mem>` [`<think>..</think>`] then exactly one of
-    `<search>..</search>` / `<answer>..</answer>`; `<think>` is required when require_think.
-    Tags are balanced, not nested, not duplicated, and have non-blank content; nothing but
-    whitespace stands outside the tags. Every turn but the last searches; the last one answers.
-    Returns (ok: bool, reason: str) with reason 'ok' or e.g. 'turn 2: nested <search> inside <mem>'.
-    Never raises on a list of str.
-    """
-    if not turns:
-        return False, "no turns"
-    for i, text in enumerate(turns):
-        action, reason = check_turn(text, require_think)
-        if action is None:
-            return False, f"turn {i + 1}: {reason}"
-        last = i == len(turns) - 1
-        if action == "answer" and not last:
-            return False, f"turn {i + 1}: answer before the last turn"
-        if action == "search" and last:
-            return False, "episode does not end with an answer"
-    return True, "ok"
-
-
-def score_episode(answer, golds, turns, require_think=False, cut=()):
-    """An answer-and-<mem> episode's numbers: score_answers of the answer (all 0 when there is none),
-    and whether its turns keep the format (validate_format; a turn cut at the response length limit,
-    listed in cut, breaks it even when its text happens to be well formed). Returns (scores dict,
-    format_ok, reason)."""
-    s = score_answers(answer, golds) if answer is not None else dict(em_count=0, em=0.0, f1=0.0, k=len(golds))
-    ok, reason = validate_format(turns, require_think)
-    if ok and cut:
-        ok, reason = False, f'turn {cut[0]}: cut at the response length limit'
-    return s, ok, reason
-
-
-def extract_tag(text, tag):
-    """The stripped content of the single <tag> block of one turn, or None when there are zero or
-    several such blocks or tags inside it."""
-    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.S)
-    if len(found) != 1 or _TAG_RE.search(found[0]):
-        return None
-    return found[0].strip()
-
-
-def extract_answer(turn_text):
-    """The answer in ONE turn's text (pass the policy's own last turn, never a prompt or an
-    observation): the stripped content of its single <answer> block, or None when the turn has
-    zero or several answer blocks or tags inside the answer. Never raises on a str."""
-    return extract_tag(turn_text, "answer")
-
-
-def extract_mem(turn_text):
-    """The stripped content of the single <mem> block of one turn, or None (as extract_answer)."""
-    return extract_tag(turn_text, "mem")
-

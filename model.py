@@ -11,9 +11,8 @@ Simplifications, on purpose:
    truncation when the trainer recomputes log-probs, or the first PPO ratio is not 1.
 2. TinyAgent uses rotary position embeddings (RoPE, Su et al. 2021), as Llama and Qwen do: attention
    then depends on how far apart two tokens are, not on where the episode's text happens to put them,
-   which is what lets a policy trained on some functions act the same way on a longer, unseen one
-   (learned absolute positions held the BugFix held-out success near 0.6). Position ids still come
-   from the attention mask (position_ids_from_mask), exactly as for Hugging Face models.
+   which is what lets a policy trained on some functions act the same way on a longer, unseen one.
+   Position ids still come from the attention mask (position_ids_from_mask), as for Hugging Face models.
 """
 
 import contextlib
@@ -175,6 +174,99 @@ def make_cache(model, layers):
     return DynamicCache(ddp_cache_data=layers, config=model.config)
 
 
+def stack_caches(model, past, Lc, device):
+    """One batch KV cache [B, H, Lc, D] per layer from generate's per-row past: row b's n cached
+    positions end at Lc, zeros (masked out) before them; a row without a cache is all zeros."""
+    layers, template = [], next(p for p in past if p is not None)[0]
+    for li, (k0, v0) in enumerate(template):
+        k = k0.new_zeros(len(past), k0.shape[0], Lc, k0.shape[2])
+        v = v0.new_zeros(len(past), v0.shape[0], Lc, v0.shape[2])
+        for b, p in enumerate(past):
+            if p is not None:
+                k[b, :, Lc - p[1]:], v[b, :, Lc - p[1]:] = p[0][li][0][:, :p[1]], p[0][li][1][:, :p[1]]
+        layers.append((k.to(device), v.to(device)))
+    return make_cache(model, layers)
+
+
+def reusable_cache(kv, context):
+    """(layers, n) for generate's past: the part of an episode's last cache (kv = (layers, ids), or
+    None) that the next context starts with, its n common leading tokens (at most all but the
+    context's last token, which must be fed to get logits), or None when nothing is shared. Full
+    history extends the last turn exactly; a folded context shares its prompt."""
+    if kv is None:
+        return None
+    layers, ids = kv
+    n, limit = 0, min(len(ids), len(context) - 1)
+    while n < limit and ids[n] == context[n]:
+        n += 1
+    return (layers, n) if n else None
+
+
+@torch.no_grad()
+def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0, caches=None):
+    """Sample one response per context with a KV cache: prefill the left-padded contexts in one
+    forward, then decode token by token; rows that sampled a stop token leave the batch (and the
+    cache). contexts: list of B id lists. Returns (responses, logps): B lists of sampled ids (the stop
+    token included) and of their log-probs under the tempered sampling distribution.
+
+    KV reuse across turns: caches[b] is what an earlier call returned for row b, (per-layer (keys,
+    values) [H, n, D], the n ids they hold), or None. The part of it that contexts[b] starts with
+    (reusable_cache) is kept and only the rest is prefilled; cached and new tokens sit in one row
+    with padding between them, masked out. With caches given (a list, even of None) the call also
+    returns each row's new cache: its context and its response but the last token (never fed)."""
+    device = next(model.parameters()).device
+    B = len(contexts)
+    return_caches = caches is not None
+    past = [reusable_cache(kv, c) for kv, c in zip(caches, contexts)] if return_caches else None
+    n_cached = [p[1] if p is not None else 0 for p in (past or [None] * B)]
+    Lc, L = max(n_cached), max(len(c) - n for c, n in zip(contexts, n_cached))
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, Lc + L, dtype=torch.long)
+    for b, (c, n) in enumerate(zip(contexts, n_cached)):
+        ids[b, L - len(c) + n:] = torch.tensor(c[n:])
+        attn[b, Lc - n:Lc] = 1
+        attn[b, Lc + L - len(c) + n:] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = position_ids_from_mask(attn)[:, Lc:]
+    cache = stack_caches(model, past, Lc, device) if Lc else None
+    logits, cache = forward_cached(model, ids, attn, pos, cache)  # [B, V]: only the last position is projected
+    rows = torch.arange(B, device=device)  # which context each live batch row belongs to
+    next_pos = pos[:, -1] + 1
+    stops = torch.tensor(stop_ids, device=device)
+    steps = []  # (rows, ids, logp) per decoding step, assembled once at the end
+    kept = [None] * B  # return_caches: each row's (layers, number of its tokens) when it leaves the batch
+
+    def keep_rows(which):
+        for j in which.tolist():
+            real = attn[j].bool()
+            kept[int(rows[j])] = ([(k[j][:, real], v[j][:, real]) for k, v in cache_layers(cache)], int(real.sum()))
+    for step in range(max_new_tokens):
+        tok, logp = sample_next(logits, temperature, generator)  # [B'], [B']
+        steps.append((rows, tok, logp))
+        live = ~torch.isin(tok, stops)
+        if step == max_new_tokens - 1 or not bool(live.any()):
+            break
+        if not bool(live.all()):
+            keep = live.nonzero().squeeze(1)
+            if return_caches:
+                keep_rows((~live).nonzero().squeeze(1))
+            cache, attn, tok, rows, next_pos = select_cache(cache, keep), attn[keep], tok[keep], rows[keep], next_pos[keep]
+        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], 1)
+        logits, cache = forward_cached(model, tok[:, None], attn, next_pos[:, None], cache)
+        next_pos = next_pos + 1
+    if return_caches:
+        keep_rows(torch.arange(len(rows)))
+    responses, logps = [[] for _ in range(B)], [[] for _ in range(B)]
+    for r, t, lp in steps:
+        for b, i, l in zip(r.tolist(), t.tolist(), lp.tolist()):
+            responses[b].append(i)
+            logps[b].append(l)
+    if not return_caches:
+        return responses, logps
+    caches = [(kept[b][0], (list(contexts[b]) + responses[b][:-1])[:kept[b][1]]) for b in range(B)]
+    return responses, logps, caches
+
+
 def _chunk_log_probs(h, weight, targets, temperature, with_entropy):
     logits = F.linear(h, weight).float()  # [n, V], one chunk only
     if temperature != 1.0:  # x / 1.0 == x exactly; on a [n, 152k] block the division costs as much as the softmax
@@ -232,8 +324,8 @@ def sample_next(logits, temperature=1.0, generator=None):
         return ids, F.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
     logp_all = F.log_softmax(logits / temperature, -1)  # [B, V]
     # inverse-CDF sampling, one uniform draw per row: torch.multinomial draws one exponential per
-    # vocabulary entry (152k per token for Qwen), which was most of a CPU decoding step. The running
-    # sum is float64: a float32 sum over 152k terms drifts by ~1e-5, the size of a typical token's p.
+    # vocabulary entry (152k per token for Qwen). The running sum is float64: a float32 sum over 152k
+    # terms drifts by ~1e-5, the size of a typical token's p.
     cdf = logp_all.exp().double().cumsum(-1)  # [B, V]
     u = torch.rand(len(cdf), 1, dtype=torch.float64, generator=generator, device=cdf.device) * cdf[:, -1:]
     ids = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # p=0 never chosen

@@ -1,7 +1,8 @@
 """
-What a run writes and reads back: per-episode numbers and their means, checkpoints, metrics.jsonl,
-the curves PNG, the optional TensorBoard / Weights & Biases mirror, rollout dumps for sample.py,
-progress lines and the summary printed at the end. Nothing here changes a number the trainer computes.
+What a run writes and reads back: per-episode numbers and their means, out_dir (its checks, a fresh
+start, resume), checkpoints, metrics.jsonl, the curves PNG, the optional TensorBoard / Weights &
+Biases mirror, rollout dumps for sample.py, progress lines and the summary printed at the end.
+Nothing here changes a number the trainer computes.
 """
 
 import dataclasses
@@ -27,8 +28,12 @@ EPISODES = 'episodes.html'
 def summarise(t):
     """The numbers of one episode that metrics need (small, so ranks can exchange them)."""
     keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns', 'mem_quality', 'n_invalid', 'format_ok')
-    return dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
-                **{k: t.info[k] for k in keys if k in t.info})
+    out = dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
+               **{k: t.info[k] for k in keys if k in t.info})
+    if 'mem_rewards' in t.info:  # (memory reward, memory quality) of each scored turn: does the reward track it?
+        out['mem_pairs'] = [(r, q) for r, q in zip(t.info['mem_rewards'], t.info.get('mem_quality_turns', ()))
+                            if r is not None and q is not None]
+    return out
 
 
 def episode_metrics(eps, prefix=''):
@@ -58,7 +63,19 @@ def episode_metrics(eps, prefix=''):
             quality = [e['mem_quality'] for e in es if e.get('mem_quality') is not None]  # memory gym
             if quality:
                 out[f'{prefix}mem_quality{suffix}'] = sum(quality) / len(quality)
+    out.update(quality_corr([p for e in eps for p in e.get('mem_pairs', ())], f'{prefix}mem_reward_quality_corr'))
     return out
+
+
+def quality_corr(pairs, key):
+    """{key: Pearson correlation of the (memory reward, memory quality) pairs}, or {} when there are
+    fewer than 3 or either side is constant."""
+    if len(pairs) < 3:
+        return {}
+    r, q = torch.tensor(pairs, dtype=torch.float64).T
+    r, q = r - r.mean(), q - q.mean()
+    denom = float(r.norm() * q.norm())
+    return {key: float(r @ q) / denom} if denom > 0 else {}
 
 
 # -----------------------------------------------------------------------------
@@ -101,6 +118,92 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
 
 
 MODEL_SHAPE = ('n_layer', 'n_head', 'n_embd', 'max_len')  # config keys that size the tiny model
+METRICS = 'metrics.jsonl'
+
+
+def check_out_dir(cfg):
+    """--resume's newest loadable checkpoint as (state, path), or None for a fresh run. Exits 2 with
+    one line before a fresh run would replace an earlier run in out_dir without overwrite=True, or
+    when --resume finds another run's checkpoint (other gym, model, seed, tasks or tiny-model shape),
+    a checkpoint past `steps`, or metrics without any checkpoint. Runs before the gym's set-up."""
+    state, path = load_latest_checkpoint(cfg['out_dir'], 'run without --resume') if cfg['resume'] else (None, None)
+    old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
+    metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
+    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank') + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
+    differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
+    if differ:
+        fail(f"--resume=True: {cfg['out_dir']} was trained with "
+             + ', '.join(f"{k} {state['config'][k]!r}, not {cfg[k]!r}" for k in differ)
+             + "; choose another out_dir for a new run")
+    if state is not None and state['step'] > cfg['steps']:
+        fail(f"--resume=True: the newest checkpoint is at step {state['step']}, past steps={cfg['steps']}")
+    if cfg['resume'] and not old and metrics:  # killed before its first checkpoint, or they were moved away
+        fail(f"--resume=True: {cfg['out_dir']} holds {METRICS} but no checkpoint to continue from; "
+             f"--overwrite=True replaces the run, or choose another out_dir")
+    if state is None and (old or metrics) and not cfg['overwrite']:
+        fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), {METRICS} "
+             f"{'present' if metrics else 'absent'}): --resume=True continues it, "
+             f"--overwrite=True replaces it, or choose another out_dir")
+    return (state, path) if state is not None else None
+
+
+def start_fresh(cfg, master=True):
+    """A fresh run's out_dir: made (only now: a set-up that failed leaves none behind); with
+    overwrite=True the earlier run's checkpoints and rollout dumps removed (check_out_dir refused
+    them otherwise; nothing else is touched); config.json written before the warm start, so a run
+    stopped during it still says what it was."""
+    try:
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create out_dir {cfg['out_dir']!r}: {e.strerror}")
+    if not master:
+        return
+    if cfg['resume']:
+        print(f"--resume=True: no checkpoint in {cfg['out_dir']}, starting from scratch")
+    old = sorted(glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS)))
+    dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], 'rollout_*.pt'))) if cfg['overwrite'] else []
+    if old or dumps:
+        print(f"overwrite: removing {len(old)} checkpoint(s) and {len(dumps)} rollout dump(s) of an earlier run "
+              f"in {cfg['out_dir']}")
+        for p in old + dumps:
+            os.remove(p)
+    write_config(cfg)
+
+
+def write_config(cfg):
+    """out_dir/config.json: the config this run trains with (sample.py --untrained reads it)."""
+    with open(os.path.join(cfg['out_dir'], 'config.json'), 'w') as f:
+        json.dump(cfg, f, indent=1)
+
+
+def restore(ckpt, cfg, model, opt, rng, gen, rank=0):
+    """Continue the run of ckpt = (state, path): weights and optimizer into model and opt, every random
+    stream, metrics.jsonl cut back to the checkpoint's step (later lines belong to steps that run
+    again), newer checkpoints that did not load renamed *.corrupt (out of the rotation, which would
+    keep them and drop a good one), config.json rewritten when steps are left to train. Returns
+    (step, the KL reference's state dict or None). Exits 2 when the run needs a KL reference of its
+    own that the checkpoint lacks."""
+    state, path = ckpt
+    load_weights(model, state, cfg, path, opt)
+    if cfg['kl_coef'] and not cfg['lora_rank'] and state.get('ref_model') is None and state['step'] > 0:
+        fail(f"{path} has no KL reference (its run had kl_coef 0): resume with kl_coef 0, or from its "
+             f"ckpt_000000 (whose weights are the reference a fresh run would take)")
+    rng.setstate(state['rng']['python'])
+    torch.set_rng_state(state['rng']['torch'])
+    gen.set_state(state['rng']['gen'][min(rank, len(state['rng']['gen']) - 1)])
+    if rank == 0:
+        for p in sorted(glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))):
+            if p > path:  # skipped as corrupt by load_latest_checkpoint
+                os.replace(p, p + '.corrupt')
+                print(f"--resume=True: {p} did not load; renamed to {os.path.basename(p)}.corrupt")
+        metrics = os.path.join(cfg['out_dir'], METRICS)
+        lines = [json.dumps(r) + '\n' for r in read_metrics(metrics) if r['step'] <= state['step']] \
+            if os.path.exists(metrics) else []  # read_metrics skips a line torn by a kill
+        open(metrics, 'w').writelines(lines)
+        if state['step'] < cfg['steps']:  # a finished run resumed keeps its config.json
+            write_config(cfg)
+        print(f"resumed from {path} at step {state['step']}")
+    return state['step'], state.get('ref_model') if cfg['kl_coef'] else None
 
 
 def load_weights(model, state, cfg, path, opt=None):
@@ -262,6 +365,40 @@ def log_external(cfg, log, step):
         w.flush()
     if cfg.get('wandb_project') and _logger('wandb', cfg):
         _loggers['wandb'].log(scalars, step=step)
+
+
+def print_setup(cfg, gym_, model, seconds, processes):
+    """The resolved config (one JSON line) and one line on the gym and the policy; then the TensorBoard
+    writer and wandb run open, so that a missing package is said now, not after the warm start."""
+    print(json.dumps(cfg))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks "
+          f"({seconds:.0f}s); policy {cfg['model']}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+          + (f" ({trained:,} trained: LoRA rank {cfg['lora_rank']})" if cfg['lora_rank'] else '')
+          + f"; {processes} process(es)")
+    open_external(cfg)
+
+
+def log_step(cfg, log, gym_):
+    """Append one line to out_dir/metrics.jsonl (step 0 starts the file) and mirror it to TensorBoard /
+    wandb; at an evaluation also print its line (print_eval) and redraw the curves."""
+    path = os.path.join(cfg['out_dir'], METRICS)
+    with open(path, 'w' if log['step'] == 0 else 'a') as f:
+        f.write(json.dumps(log) + '\n')
+    log_external(cfg, log, log['step'])
+    if 'eval_success_rate' in log:
+        print_eval(log, gym_)
+        plot_metrics(path, os.path.join(cfg['out_dir'], CURVES))
+
+
+def finish_run(cfg, hf_model, tok, wall_s):
+    """The end of a run: a Hugging Face policy (hf_model, LoRA folded in; None for the tiny model)
+    saved to out_dir/hf, which transformers or vLLM can load and serve; the curves; the summary."""
+    if hf_model is not None:
+        hf_model.save_pretrained(os.path.join(cfg['out_dir'], 'hf'), safe_serialization=True)
+        tok.save_pretrained(os.path.join(cfg['out_dir'], 'hf'))
+    plot_metrics(os.path.join(cfg['out_dir'], METRICS), os.path.join(cfg['out_dir'], CURVES))
+    print(run_summary(cfg['out_dir'], cfg, wall_s))
 
 
 def run_summary(out_dir, cfg, wall_s):

@@ -27,8 +27,9 @@ import re
 from dataclasses import dataclass, field
 
 import hf
-from gym import (TAGS, answer_reward, build_tokenizer, check_answer_reward, check_turn, extract_answer, extract_mem,
-                 extract_tag, score_episode, strip_end_marker, validate_format, word_format)
+from gym import build_tokenizer, word_format
+from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, extract_answer, extract_mem, extract_tag,
+                          score_episode, strip_end_marker, validate_format)
 
 MODEL = 'any'
 KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward')
@@ -138,7 +139,7 @@ def needed_entities(task, found):
 def memory_quality(task, turn_text, found):
     """The fraction of needed_entities(task, found) that one turn's <mem> holds (as words), or None
     when nothing is needed yet (the first turn, or no fact found). found: the facts returned before
-    this turn (needed_entities), which is all the turn's memory could have been written from. Issue #16's metric: 1.0 is
+    this turn (needed_entities), which is all the turn's memory could have been written from. The lossy set-up's metric: 1.0 is
     a memory a folded agent can finish from, lower values lost something it needs."""
     need = needed_entities(task, found)
     if not need:
@@ -229,7 +230,7 @@ class MemoryEnv:
         action = check_turn(text, self.require_think)[0] if finish != "length" else None
         if finish == "length":
             self.cut.append(len(self.turns))
-        info = dict(n_turns=len(self.turns), n_invalid=self.n_invalid)
+        info = dict(n_turns=len(self.turns), n_invalid=self.n_invalid, turn_ok=action is not None)
         if action == "answer":
             return "", *self._finish("answer", extract_answer(text))
         if action == "search":
@@ -241,18 +242,18 @@ class MemoryEnv:
             self.n_invalid += 1
             obs = BAD_FORMAT
         if len(self.turns) >= self.budget:
-            return obs, *self._finish("max_turns", None)
+            return obs, *self._finish("max_turns", None, turn_ok=action is not None)
         info["n_invalid"] = self.n_invalid
         return obs, 0.0, False, info
 
-    def _finish(self, stop, answer):
+    def _finish(self, stop, answer, turn_ok=True):
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         scored = ok and stop == "answer"
         reward = answer_reward(s, self.answer_reward) if scored else 0.0
         known = [q for q in self.quality if q is not None]  # success: every objective right AND a valid format
         info = dict(stop=stop, success=scored and s["em_count"] == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,
                     format_ok=ok, format_reason=reason, answer=answer, mem_quality_turns=list(self.quality),
-                    mem_quality=sum(known) / len(known) if known else None, **s)
+                    mem_quality=sum(known) / len(known) if known else None, turn_ok=turn_ok, **s)
         return reward, True, info
 
 # -----------------------------------------------------------------------------
@@ -267,9 +268,9 @@ class MemoryEnv:
 # becomes the answer alone and, in the same turn, the objective after the one with that root in the
 # question is opened (its root written twice: root and entity). Keeping the root is what lets a tiny
 # model find the next objective by content (the question segment after the one ending with this root)
-# instead of by counting segments: without it, the folded agent's commonest error was opening the
-# wrong next objective (40 of 49 failed held-out k=2 episodes of one seed), and counting does not
-# extend to more objectives than training showed. make_tasks keeps roots distinct within a question.
+# instead of by counting segments, which does not extend to more objectives than training showed
+# (without it, opening the wrong next objective was the commonest error). make_tasks keeps roots
+# distinct within a question.
 
 
 def _pending_chain(sub_question):
@@ -316,7 +317,7 @@ def oracle_policy(question, mem, obs, forget=False):
 
 
 def make_lossy_oracle(rng, p):
-    """Issue #16's warm-start policy: the oracle, except that each objective it closes before the last
+    """The lossy set-up's warm-start policy: the oracle, except that each objective it closes before the last
     is forgotten with probability p (its <mem> keeps an empty slot, its answer an empty part). It
     still teaches the format, the searches and answering, but carrying answers only part of the time:
     a folded agent must learn from RL to keep them; a full-history agent can read them back from its

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hf
-from gym import answer_reward, check_answer_reward, read_jsonl, score_episode, strip_end_marker, validate_format
+from gym import read_jsonl
+from gyms.answers import answer_reward, check_answer_reward, score_episode, strip_end_marker, validate_format
 
 MODEL = 'hf'
 KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking', 'answer_reward')
@@ -301,32 +302,29 @@ class SearchQAEnv:
             obs = (f'error: bad format ({reason}). Write <mem>...</mem><think>...</think> and then '
                    '<search>query</search> or <answer>answer</answer>.')
         if len(self.turns) >= self.max_turns:
-            return obs, *self._finish('max_turns', None)
-        return obs, 0.0, False, dict(n_turns=len(self.turns), n_invalid=self.n_invalid, n_search=self.n_search)
+            return obs, *self._finish('max_turns', None, turn_ok=action is not None)
+        return obs, 0.0, False, dict(n_turns=len(self.turns), n_invalid=self.n_invalid, n_search=self.n_search,
+                                     turn_ok=action is not None)
 
-    def _finish(self, stop, answer):
+    def _finish(self, stop, answer, turn_ok=True):
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         if ok and self.require_search and self.n_search == 0:
             ok, reason = False, 'answered without searching'
         scored = ok and stop == 'answer'
         reward = answer_reward(s, self.answer_reward) if scored else 0.0
         info = dict(stop=stop, success=scored and s['em_count'] == s['k'], n_turns=len(self.turns), n_invalid=self.n_invalid,
-                    n_search=self.n_search, format_ok=ok, format_reason=reason, answer=answer, **s)
+                    n_search=self.n_search, format_ok=ok, format_reason=reason, answer=answer, turn_ok=turn_ok, **s)
         return reward, True, info
 
 # -----------------------------------------------------------------------------
 # the scripted oracle (the warm start)
 #
-# Turn i searches for supporting title i with the title itself as the query: BM25 ranks that title's
-# passage in the top 3 for 776 of the 786 supporting titles of the train split (98.7%; the title
-# without its '(... film)' part: 98.2%; the title followed by the question: 92.7%). Its <mem> is
-# the state: one line 'title: snippet' (or 'title: not found') per title searched so far, so the
-# next title is the one after as many lines. The snippet is SNIPPET_WORDS words of the found
-# passage's first sentence that names a gold answer or another supporting title (the bridge), taken
-# around that name, else of its first sentence. After the last title it answers with the gold
-# (answer_text). On the train split (3 turns each, longest turn 145 Qwen3 tokens), the final <mem>
-# holds a gold answer in 376 of 393 episodes at max_obs_tokens=400, 345 at 120 (which cuts off
-# more third passages: 40 of 786 titles not found, against 10).
+# Turn i searches for supporting title i with the title itself as the query (BM25 ranks that title's
+# passage in the top 3 for nearly every supporting title; docs/RESULTS.md). Its <mem> is the state:
+# one line 'title: snippet' (or 'title: not found') per title searched so far, so the next title is
+# the one after as many lines. The snippet is SNIPPET_WORDS words of the found passage's first
+# sentence that names a gold answer or another supporting title (the bridge), taken around that
+# name, else of its first sentence. After the last title it answers with the gold (answer_text).
 
 NOTHING = 'nothing found yet'   # the first turn's <mem>
 SNIPPET_WORDS = 20

@@ -1,11 +1,11 @@
 """
 Does MemPO's memory reward track memory quality? For the newest checkpoint of each run directory given
 (a memory-gym run), sample one episode on each of 64 training tasks, score every turn's P_mem and
-P_full exactly as training does (rollout.memory_rewards) and print their means and their correlation
+P_full exactly as training does (advantage.memory_rewards) and print their means and their correlation
 with the turn's memory quality (gyms/memory.py, memory_quality: the fraction of what later turns need
 that the <mem> holds). Then the same means on the oracle's episodes of 64 training tasks with 3 or
 more objectives, once with complete memories and once with lossy ones (every finished answer but the
-last forgotten): does the reward tell them apart? Issue #16's diagnosis, on training tasks only.
+last forgotten): does the reward tell them apart? The lossy set-up's diagnosis, on training tasks only.
 
     python scripts/mem_reward_check.py out/ablate_lossy/mempo_s1 out/ablate_lossy/grpo_fold_s1
 """
@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+import advantage
 import report
 import rollout
 from config import config, fail, load_config
@@ -38,7 +39,7 @@ def probe(model, gym_, cfg, trajs):
     and the reward with the quality; lossy counts turns of quality < 1. turns is 0 (and nothing else
     is given) when no such turn exists."""
     answers = [gym_['answer_text'](t.task) for t in trajs]
-    where, p_full, p_mem = rollout.memory_probs(model, trajs, gym_['fmt'], answers, cfg)  # as training scores them
+    where, p_full, p_mem = advantage.memory_probs(model, trajs, gym_['fmt'], answers, cfg)  # as training scores them
     rows = []
     for (n, k), pf, pm in zip(where, p_full.tolist(), p_mem.tolist()):
         q = trajs[n].info.get('mem_quality_turns', [])

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import gym
-from advantage import memory_advantage
+from advantage import memory_advantage, memory_rewards
 from gym import build_tokenizer, word_format
+from gyms import answers
 from gyms import memory as gm
 from gyms import searchqa as gs
 from model import TinyAgent
-from rollout import memory_rewards, rollout_batch
+from rollout import rollout_batch
 
 CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1, temperature=1.0, device='cpu',
            max_tokens_per_microbatch=16384)
@@ -36,8 +37,9 @@ def test_malformed_or_cut_turn_gets_no_memory_reward_and_leaves_the_pool():
     assert valid.tolist() == [[False, False, True, True]] and mem_r[0, 1] == 0
     adv = memory_advantage(mem_r, valid, torch.tensor([0]), eps=0.0)
     assert adv[0, 1] == 0 and adv[0, 2:].abs().sum() > 0  # the pool is turns 2 and 3 alone
-    no_think = memory_rewards(model, [t], fmt, [gm.answer_text(task)], dict(CFG, require_think=True))[1]
-    assert not no_think.any()  # no turn writes the <think> that searchqa's require_think asks for
+    t.turns[3]['ok'] = False  # the gym's verdict (info['turn_ok']) decides, whatever the text
+    assert memory_rewards(model, [t], fmt, [gm.answer_text(task)], CFG)[1].tolist() == [[False, False, True, False]]
+    t.turns[3]['ok'] = True
     t.turns[2]['finish'] = 'length'  # cut at the response limit: malformed whatever its text
     assert memory_rewards(model, [t], fmt, [gm.answer_text(task)], CFG)[1].tolist() == [[False, False, False, True]]
 
@@ -47,15 +49,15 @@ def test_malformed_or_cut_turn_gets_no_memory_reward_and_leaves_the_pool():
 
 @pytest.mark.parametrize('mark', ['\u200b', '\u200e', '\u200f', '\ufeff', '\u00ad', '\u2060'])
 def test_format_characters_are_deleted_before_em_and_f1(mark):
-    assert gym.em('Paris' + mark, 'Paris') == 1.0 and gym.f1('Paris' + mark, ['Paris']) == 1.0
-    assert gym.em('Mana Al Otaiba' + mark, 'Mana Al Otaiba') == 1.0
-    assert gym.f1('Mana Al Otaiba' + mark, 'Mana Al Otaiba') == 1.0
-    assert gym.normalize_answer(f'\u2212{mark}5') == '-5'  # a sign keeps its digit across a mark
-    assert gym.em(mark, [mark, '']) == 0.0  # nothing but a mark is an empty answer
+    assert answers.em('Paris' + mark, 'Paris') == 1.0 and answers.f1('Paris' + mark, ['Paris']) == 1.0
+    assert answers.em('Mana Al Otaiba' + mark, 'Mana Al Otaiba') == 1.0
+    assert answers.f1('Mana Al Otaiba' + mark, 'Mana Al Otaiba') == 1.0
+    assert answers.normalize_answer(f'\u2212{mark}5') == '-5'  # a sign keeps its digit across a mark
+    assert answers.em(mark, [mark, '']) == 0.0  # nothing but a mark is an empty answer
 
 
 def test_both_qa_gyms_score_with_the_one_normaliser():
-    assert gm.score_episode is gs.score_episode is gym.score_episode  # gym.score_answers -> em, f1
+    assert gm.score_episode is gs.score_episode is answers.score_episode  # answers.score_answers -> em, f1
 
 
 def test_memory_gym_rewards_an_answer_written_with_a_mark():
@@ -79,5 +81,5 @@ def test_searchqa_rewards_a_span_copied_with_its_mark(tmp_path):
 
 def test_a_format_character_between_a_letter_and_its_accent_still_composes():
     """The marks go before NFKC, so "e" + U+200B + a combining acute is the composed letter."""
-    from gym import em
+    from gyms.answers import em
     assert em('e\u200b\u0301', '\u00e9') == 1.0

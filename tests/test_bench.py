@@ -7,7 +7,7 @@ import torch
 
 import bench
 from model import TinyAgent
-from rollout import generate
+from model import generate
 
 KEYS = {'name', 'value', 'baseline', 'ratio', 'unit'}
 

@@ -35,7 +35,7 @@ def run_train(*args):
     (['--lr=nan'], "config key 'lr' must be a finite number, got nan"),
     (['--beta1=2'], "config key 'beta1' must be in [0, 1), got 2.0"),
     (['--gguf_file=x.gguf'], "config key 'gguf_file' names a file in a Hugging Face model folder or repo; model 'tiny' has none"),
-    (['--seed=99999999999999999999'], "config key 'seed' must be in [0, 2**32), got 99999999999999999999"),
+    (['--seed=99999999999999999999'], "config key 'seed' must be in [0, 4294967296), got 99999999999999999999"),
     (['--weight_decay=-1'], "config key 'weight_decay' must be >= 0, got -1.0"),
     (['--train_variants=3', '--gym=memory'], "config key 'train_variants' is not used by gym 'memory'"),
     (['--gym=sandbox'], "unknown gym 'sandbox'; the gyms: " + ', '.join(gym_modules())),  # a forked gym joins the list

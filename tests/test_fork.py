@@ -1,13 +1,10 @@
 """The README's fork guide, tested: the example gym trains, and GSPO and REINFORCE++ are small changes
 (a replaced policy_loss, a replaced compute_advantages) that the rest of train.py runs unchanged."""
-import copy
 import json
-import random
 
 import torch
 
 import train
-from gym import load_gym
 from model import load_policy
 
 
@@ -51,14 +48,14 @@ def reinforce_pp_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     return (ret - ret[m].mean()) / (ret[m].std() + cfg['adv_eps']) * mask, {}
 
 
-def example_setup(**over):
-    cfg = train.load_config(['config/example.yaml', '--warmstart_episodes=256', '--warmstart_steps=200',
-                             '--batch_size=4', '--group_size=4', *[f'--{k}={v}' for k, v in over.items()]])
-    torch.manual_seed(cfg['seed'])
-    gym_ = load_gym(cfg)
-    model = load_policy(cfg, gym_['tok'].vocab_size)
-    train.warm_start(model, gym_, cfg, random.Random(0))
-    return cfg, gym_, model
+def one_step_of_main(tmp_path, **over):
+    """python train.py config/example.yaml for one RL step after a short warm start: (its metrics
+    line, the step-0 and step-1 checkpoints)."""
+    train.main(['config/example.yaml', '--warmstart_episodes=256', '--warmstart_steps=200', '--batch_size=4',
+                '--group_size=4', '--steps=1', '--eval_tasks=4', '--eval_samples=1', f'--out_dir={tmp_path}',
+                *[f'--{k}={v}' for k, v in over.items()]])
+    log = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')][-1]
+    return log, *[torch.load(tmp_path / f'ckpt_00000{s}.pt', weights_only=False) for s in (0, 1)]
 
 
 def test_example_gym_trains_from_its_config(tmp_path):
@@ -75,7 +72,7 @@ def test_example_gym_trains_from_its_config(tmp_path):
     assert all(r['logp_gap_max'] <= 2e-5 and r['bad_steps'] == 0 for r in rows[1:])
 
 
-def test_gspo_is_a_small_change_of_policy_loss(monkeypatch):
+def test_gspo_is_a_small_change_of_policy_loss(monkeypatch, tmp_path):
     """Hand-computed: a row whose two tokens moved by +0.2 and -0.6 has sequence ratio exp(-0.2) on both
     tokens; with advantage +1 and token-mean weights the loss is -exp(-0.2). Swapped into train.py,
     ppo_update runs it unchanged: ratio 1 on the first mini-batch, finite gradients, weights move."""
@@ -89,32 +86,32 @@ def test_gspo_is_a_small_change_of_policy_loss(monkeypatch):
     loss.backward()  # d/dlogp_t of -(1/2) sum_t s * exp(logp_t - sg(logp_t)) = -s / 2 on each token
     assert torch.allclose(logp.grad, -torch.exp(torch.tensor(-0.2)).expand(1, 2) / 2)
     monkeypatch.setattr(train, 'policy_loss', gspo_policy_loss)
-    cfg, gym_, model = example_setup(loss_agg='seq-mean')
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'])
-    log, _, _, _ = train.train_step(model, None, opt, gym_, cfg, random.Random(1), torch.Generator().manual_seed(1))
+    log, before, after = one_step_of_main(tmp_path, loss_agg='seq-mean')
     assert log['ratio_dev_first_minibatch'] <= 1e-5 and log['bad_steps'] == 0 and log['grad_norm'] > 0
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before['model'].values(), after['model'].values()))
 
 
-def test_reinforce_pp_is_a_small_change_of_compute_advantages(monkeypatch):
+def test_reinforce_pp_is_a_small_change_of_compute_advantages(monkeypatch, tmp_path):
     """The reference log-probs reach compute_advantages (computed before it); REINFORCE++'s advantages
-    [R, T-1] are 0 off policy tokens, normalised over the batch, and train_step trains on them."""
-    seen = {}
+    [R, T-1] are 0 off policy tokens, normalised over the batch, and the PPO update trains on them."""
+    seen, update = {}, train.ppo_update
 
     def spy(model, gym_, cfg, trajs, batch, ref_logp=None):
-        seen['ref_logp'], seen['batch'] = ref_logp, batch
+        seen['ref_logp'], seen['batch'], seen['cfg'] = ref_logp, batch, cfg
         seen['adv'], stats = reinforce_pp_advantages(model, gym_, cfg, trajs, batch, ref_logp)
         return seen['adv'], stats
 
+    def update_spy(model, opt, batch, adv, *args, **kw):
+        seen['trained'] = adv
+        return update(model, opt, batch, adv, *args, **kw)
     monkeypatch.setattr(train, 'compute_advantages', spy)
-    cfg, gym_, model = example_setup(kl_coef=0.05)
-    ref_model = copy.deepcopy(model).eval()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'])
-    log, _, batch, adv = train.train_step(model, ref_model, opt, gym_, cfg, random.Random(1),
-                                          torch.Generator().manual_seed(1))
-    assert seen['ref_logp'] is not None and torch.allclose(seen['ref_logp'], train.reference_log_probs(ref_model, batch, cfg))
+    monkeypatch.setattr(train, 'ppo_update', update_spy)
+    log, start, _ = one_step_of_main(tmp_path, kl_coef=0.05)
+    batch, adv, cfg = seen['batch'], seen['adv'], seen['cfg']
+    ref_model = load_policy(cfg, len(start['vocab']))  # the reference is the warm-started policy of step 0
+    ref_model.load_state_dict(start['model'])
+    assert seen['ref_logp'] is not None and torch.allclose(seen['ref_logp'], train.reference_log_probs(ref_model.eval(), batch, cfg))
     m = batch['action_mask'].bool()
-    assert torch.equal(adv, seen['adv']) and (adv[~m] == 0).all()
+    assert seen['trained'] is adv and (adv[~m] == 0).all()
     assert abs(float(adv[m].mean())) < 1e-5 and abs(float(adv[m].std()) - 1) < 1e-3
     assert log['bad_steps'] == 0 and log['grad_norm'] > 0

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gym
+from gyms import answers
 from gyms import memory as g
 
 # -----------------------------------------------------------------------------
@@ -12,45 +13,45 @@ from gyms import memory as g
 
 
 def test_normalize_answer_unicode_punctuation_articles():
-    assert gym.normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
-    assert gym.normalize_answer("1990\u20131995") == gym.normalize_answer("1990-1995") == "19901995"  # en dash
-    assert gym.normalize_answer("\u201cAn Apple\u201d") == "apple"  # curly quotes, article
-    assert gym.normalize_answer("ＡＢＣ") == "abc"  # full-width (NFKC)
+    assert answers.normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
+    assert answers.normalize_answer("1990\u20131995") == answers.normalize_answer("1990-1995") == "19901995"  # en dash
+    assert answers.normalize_answer("\u201cAn Apple\u201d") == "apple"  # curly quotes, article
+    assert answers.normalize_answer("ＡＢＣ") == "abc"  # full-width (NFKC)
 
 
 def test_em_composed_and_decomposed_accents_match():
     composed, decomposed = "Beyonc\u00e9", "Beyonce\u0301"
     assert composed != decomposed and unicodedata.normalize("NFC", decomposed) == composed
-    assert gym.em(decomposed, [composed]) == 1.0
-    assert gym.em("beyonce", [composed]) == 0.0  # accents are kept, not stripped
+    assert answers.em(decomposed, [composed]) == 1.0
+    assert answers.em("beyonce", [composed]) == 0.0  # accents are kept, not stripped
 
 
 def test_em_f1_hand_computed():
-    assert gym.em("the Oslo", ["oslo"]) == 1.0
-    assert gym.em("oslo city", ["oslo", "bergen"]) == 0.0
-    assert gym.f1("oslo city", ["oslo"]) == 2 * (1 / 2 * 1) / (1 / 2 + 1)  # p=1/2 r=1 -> 2/3
-    assert gym.f1("new york city", ["bergen", "york city"]) == 2 * (2 / 3) * 1 / (2 / 3 + 1)  # max over aliases -> 0.8
-    assert gym.f1("x", "x") == 1.0  # a bare str gold is one alias
+    assert answers.em("the Oslo", ["oslo"]) == 1.0
+    assert answers.em("oslo city", ["oslo", "bergen"]) == 0.0
+    assert answers.f1("oslo city", ["oslo"]) == 2 * (1 / 2 * 1) / (1 / 2 + 1)  # p=1/2 r=1 -> 2/3
+    assert answers.f1("new york city", ["bergen", "york city"]) == 2 * (2 / 3) * 1 / (2 / 3 + 1)  # max over aliases -> 0.8
+    assert answers.f1("x", "x") == 1.0  # a bare str gold is one alias
 
 
 def test_empty_answer_never_matches():
     for pred in ["", "   ", "!!", "\u2013", ". , ;"]:
-        assert gym.em(pred, ["", "!", pred]) == 0.0
-        assert gym.f1(pred, ["", "!", pred]) == 0.0
-    assert gym.score_answers(" ; ", [[""], ["?"]])["em_count"] == 0
+        assert answers.em(pred, ["", "!", pred]) == 0.0
+        assert answers.f1(pred, ["", "!", pred]) == 0.0
+    assert answers.score_answers(" ; ", [[""], ["?"]])["em_count"] == 0
 
 
 def test_article_only_answers_keep_their_text():
     # dropping the articles emptied these, so they could never score (issue #13, case 1)
-    assert (gym.em("A", "A"), gym.f1("A", "A"), gym.em("a.", "A")) == (1.0, 1.0, 1.0)
-    assert gym.normalize_answer("The") == "the" and gym.em("the", "a") == 0.0
-    assert gym.em("the Beatles", "Beatles") == 1.0  # articles beside other words are still dropped
+    assert (answers.em("A", "A"), answers.f1("A", "A"), answers.em("a.", "A")) == (1.0, 1.0, 1.0)
+    assert answers.normalize_answer("The") == "the" and answers.em("the", "a") == 0.0
+    assert answers.em("the Beatles", "Beatles") == 1.0  # articles beside other words are still dropped
 
 
 def test_case_folding_not_lower_casing():
     # str.lower keeps "ß" (issue #13, case 2)
-    assert gym.em("STRASSE", "Stra\u00dfe") == 1.0 and gym.em("WEISS", "wei\u00df") == 1.0
-    assert gym.em("\u00c9cole", "e\u0301cole") == 1.0  # NFKC composes the accent first
+    assert answers.em("STRASSE", "Stra\u00dfe") == 1.0 and answers.em("WEISS", "wei\u00df") == 1.0
+    assert answers.em("\u00c9cole", "e\u0301cole") == 1.0  # NFKC composes the accent first
 
 
 def test_numbers_keep_their_identity():
@@ -59,29 +60,29 @@ def test_numbers_keep_their_identity():
                                ("$105 million", "$10.5 million", 0, 0.5), ("3.14", "314", 0, 0),
                                ("5", "-5", 0, 0), ("\u22125", "-5", 1, 1), ("\u20135", "-5", 1, 1),
                                ("9984", "9,984", 1, 1), ("1,000,000.5", "1000000.5", 1, 1), (".5", "5", 0, 0)]:
-        assert (gym.em(pred, gold), gym.f1(pred, gold)) == (em, f1), (pred, gold)
+        assert (answers.em(pred, gold), answers.f1(pred, gold)) == (em, f1), (pred, gold)
     # everything else is still SQuAD's: punctuation at word ends, articles, a sentence-final period
-    assert gym.em("Paris.", "paris") == gym.em("(-5)", "-5") == gym.em("5.", "5") == 1.0
-    assert gym.em("It is 5.", "5") == 0.0 and gym.f1("It is 5.", "5") == 0.5
-    assert gym.normalize_answer("COVID-19, 1990\u20131995") == "covid19 19901995"  # a dash after a word is no sign
+    assert answers.em("Paris.", "paris") == answers.em("(-5)", "-5") == answers.em("5.", "5") == 1.0
+    assert answers.em("It is 5.", "5") == 0.0 and answers.f1("It is 5.", "5") == 0.5
+    assert answers.normalize_answer("COVID-19, 1990\u20131995") == "covid19 19901995"  # a dash after a word is no sign
 
 
 def test_score_answers_multi_objective():
     golds = [["oslo"], ["ada", "ada lovelace"], ["moonfall"]]
-    s = gym.score_answers("Oslo ; Ada Lovelace ; ironbay", golds)
+    s = answers.score_answers("Oslo ; Ada Lovelace ; ironbay", golds)
     assert s["em_count"] == 2 and s["k"] == 3 and abs(s["em"] - 2 / 3) < 1e-12
     assert abs(s["f1"] - 2 / 3) < 1e-12
-    s = gym.score_answers("oslo", golds)  # missing parts score 0
+    s = answers.score_answers("oslo", golds)  # missing parts score 0
     assert s["em_count"] == 1 and abs(s["em"] - 1 / 3) < 1e-12
-    s = gym.score_answers("bergen ; oslo ; ada ; moonfall", golds)  # position-aligned: no hedging
+    s = answers.score_answers("bergen ; oslo ; ada ; moonfall", golds)  # position-aligned: no hedging
     assert s["em_count"] == 0
-    s = gym.score_answers("new york", [["new york city"], ["paris"]])
+    s = answers.score_answers("new york", [["new york city"], ["paris"]])
     assert s["em_count"] == 0 and abs(s["f1"] - (0.8 / 2)) < 1e-12
-    assert gym.score_answers("oslo", ["oslo", "christiania"])["em_count"] == 1  # flat list = one objective
+    assert answers.score_answers("oslo", ["oslo", "christiania"])["em_count"] == 1  # flat list = one objective
 
 
 def test_score_answers_uses_the_same_normaliser():
-    s = gym.score_answers("A ; STRASSE ; \u22125 ; 10.8", [["a"], ["stra\u00dfe"], ["-5"], ["108"]])
+    s = answers.score_answers("A ; STRASSE ; \u22125 ; 10.8", [["a"], ["stra\u00dfe"], ["-5"], ["108"]])
     assert s["em_count"] == 3 and s["f1"] == 0.75
 
 # -----------------------------------------------------------------------------
@@ -92,10 +93,10 @@ A = "<mem> oslo </mem> <answer> oslo </answer>"
 
 
 def test_valid_episodes_pass():
-    assert gym.validate_format([A]) == (True, "ok")
-    assert gym.validate_format([S, S, A]) == (True, "ok")
-    assert gym.validate_format(["<mem>a</mem><think>b</think><answer>c</answer>"], require_think=True)[0]
-    assert gym.validate_format(["\n<mem>\nx\n</mem>\n<think>y</think>\n<search>q</search>\n", A])[0]
+    assert answers.validate_format([A]) == (True, "ok")
+    assert answers.validate_format([S, S, A]) == (True, "ok")
+    assert answers.validate_format(["<mem>a</mem><think>b</think><answer>c</answer>"], require_think=True)[0]
+    assert answers.validate_format(["\n<mem>\nx\n</mem>\n<think>y</think>\n<search>q</search>\n", A])[0]
 
 
 def test_invalid_formats_fail():
@@ -120,28 +121,28 @@ def test_invalid_formats_fail():
         "no turns": [],
     }
     for name, turns in bad.items():
-        ok, reason = gym.validate_format(turns)
+        ok, reason = answers.validate_format(turns)
         assert not ok and reason != "ok", name
-    assert not gym.validate_format([A], require_think=True)[0]
+    assert not answers.validate_format([A], require_think=True)[0]
 
 
 def test_extract_answer_from_own_turn_only():
-    assert gym.extract_answer("<mem> x </mem> <answer> oslo ; ada </answer>") == "oslo ; ada"
-    assert gym.extract_answer("<answer> a </answer> <answer> b </answer>") is None
-    assert gym.extract_answer("<mem> x </mem> <search> q </search>") is None
-    assert gym.extract_answer("<answer> a <answer> b </answer>") is None
+    assert answers.extract_answer("<mem> x </mem> <answer> oslo ; ada </answer>") == "oslo ; ada"
+    assert answers.extract_answer("<answer> a </answer> <answer> b </answer>") is None
+    assert answers.extract_answer("<mem> x </mem> <search> q </search>") is None
+    assert answers.extract_answer("<answer> a <answer> b </answer>") is None
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.sampled_from(list("<>/ ab;\n\u2013\u00e9") + [f"<{t}>" for t in gym.TAGS] + [f"</{t}>" for t in gym.TAGS]),
+@given(st.lists(st.lists(st.sampled_from(list("<>/ ab;\n\u2013\u00e9") + [f"<{t}>" for t in answers.TAGS] + [f"</{t}>" for t in answers.TAGS]),
                          max_size=30).map("".join) | st.text(max_size=60), max_size=4))
 def test_arbitrary_text_never_raises(texts):
-    assert isinstance(gym.validate_format(texts)[0], bool)
-    assert isinstance(gym.validate_format(texts, require_think=True)[0], bool)
+    assert isinstance(answers.validate_format(texts)[0], bool)
+    assert isinstance(answers.validate_format(texts, require_think=True)[0], bool)
     for t in texts:
-        gym.extract_answer(t), gym.extract_mem(t), gym.normalize_answer(t)
-        assert 0.0 <= gym.f1(t, [t, "x"]) <= 1.0
-        assert 0 <= gym.score_answers(t, [["a"], [t]])["em_count"] <= 2
+        answers.extract_answer(t), answers.extract_mem(t), answers.normalize_answer(t)
+        assert 0.0 <= answers.f1(t, [t, "x"]) <= 1.0
+        assert 0 <= answers.score_answers(t, [["a"], [t]])["em_count"] <= 2
     env = g.MemoryEnv()
     env.reset(g.make_tasks("train", 1)[0])
     for t in texts:
@@ -157,7 +158,7 @@ def test_arbitrary_text_never_raises(texts):
 def test_tag_soup_valid_iff_structure(words):
     # a single turn valid under the rules must look like mem [think] action; check the converse too
     text = " ".join(words)
-    ok, _ = gym.validate_format([text])
+    ok, _ = answers.validate_format([text])
     if ok:
         s = text.split()
         assert s[0] == "<mem>" and s[-1] == "</answer>" and s.count("<answer>") == 1
@@ -202,7 +203,7 @@ def test_oracle_succeeds_with_only_folded_context():
             vocab = {w for x in g.memory_texts() for w in x.split()}
             assert all(set(a.split()) <= vocab for a in turns + obs)
             full = ["<mem> " + a for a in turns]
-            assert gym.extract_answer(full[-1]) == " ".join(g.answer_text(t).split()[1:-1])
+            assert answers.extract_answer(full[-1]) == " ".join(g.answer_text(t).split()[1:-1])
 
 
 def test_oracle_memory_keeps_the_root_of_the_pending_objective():
@@ -388,7 +389,7 @@ def test_lossy_oracle_never_writes_what_it_forgot():
         assert [p.strip() for p in info["answer"].split(";")] == [""] * (len(golds) - 1) + [golds[-1]]
         assert reward == 1.0 and info["format_ok"] and info["mem_quality"] < 1.0
         for tx in turns:  # every closed objective's slot is empty: its answer is never written again
-            slots = gym.extract_mem("<mem> " + tx).split(";")
+            slots = answers.extract_mem("<mem> " + tx).split(";")
             assert all(s.strip() == "" for s in slots[:-1]), tx
     p0 = g.make_lossy_oracle(random.Random(0), 0.0)
     for t in tasks[:50]:  # forgetting with probability 0 is the oracle, turn for turn
@@ -408,10 +409,10 @@ def test_detour_oracle_makes_one_untrained_wrong_search_then_recovers_within_the
         wrong = [j for j, a in enumerate(said) if isinstance(a, tuple)]
         assert len(wrong) == 1 and said[wrong[0]][1] is False  # exactly one mistake, marked not to train
         j = wrong[0]
-        wrong_q, right_q = (gym.extract_tag("<mem> " + turns[k], "search").split() for k in (j, j + 1))
+        wrong_q, right_q = (answers.extract_tag("<mem> " + turns[k], "search").split() for k in (j, j + 1))
         assert wrong_q[0] == right_q[0] and wrong_q[1:] != right_q[1:] and " ".join(wrong_q[1:]) in g.RELATIONS
         assert turns[:j] + turns[j + 1:] == oracle_turns  # every other turn, the recovery included, is the oracle's
-        assert gym.extract_mem("<mem> " + turns[j]) == gym.extract_mem("<mem> " + turns[j + 1])
+        assert answers.extract_mem("<mem> " + turns[j]) == answers.extract_mem("<mem> " + turns[j + 1])
         assert info["stop"] == "answer" and reward == len(t.golds) and info["format_ok"], info
     never = g.with_detour(random.Random(0), 0.0, g.oracle_policy)
     assert all(g.play(t, never)[0] == g.play(t, g.oracle_policy)[0] for t in tasks[:50])

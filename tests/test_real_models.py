@@ -23,7 +23,9 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 
+import advantage
 import hf
+import model as model_lib
 import rollout
 import train
 from advantage import grpo_advantage, token_advantages
@@ -211,9 +213,11 @@ def test_kv_reuse_samples_what_reprefilling_samples(tok, model, monkeypatch, kee
     fmt, _, tasks = searchqa_setup(tok, 5)
     prefilled, generate = [], rollout.generate
 
-    def spy(model, contexts, *args, past=None, **kw):
+    def spy(model, contexts, *args, **kw):
+        caches = args[-1] if len(args) >= 6 else kw.get('caches')
+        past = [model_lib.reusable_cache(kv, c) for kv, c in zip(caches, contexts)] if caches is not None else None
         prefilled.append(sum(len(c) - (p[1] if p else 0) for c, p in zip(contexts, past or [None] * len(contexts))))
-        return generate(model, contexts, *args, past=past, **kw)
+        return generate(model, contexts, *args, **kw)
     monkeypatch.setattr(rollout, 'generate', spy)
     out = {}
     for reuse in (False, True):
@@ -236,11 +240,11 @@ def test_kv_reuse_samples_what_reprefilling_samples(tok, model, monkeypatch, kee
 
 def test_reusable_cache_is_the_common_prefix():
     layers = [(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4))]
-    assert rollout.reusable_cache(None, [1, 2, 3]) is None
-    assert rollout.reusable_cache((layers, [1, 2, 3, 4, 5]), [1, 2, 3, 4, 5, 6])[1] == 5   # full history: all of it
-    assert rollout.reusable_cache((layers, [1, 2, 3, 4, 5]), [1, 2, 9, 9])[1] == 2          # folded: the shared prompt
-    assert rollout.reusable_cache((layers, [1, 2, 3]), [1, 2, 3])[1] == 2                   # the last token is fed again
-    assert rollout.reusable_cache((layers, [7, 2, 3]), [1, 2, 3]) is None
+    assert model_lib.reusable_cache(None, [1, 2, 3]) is None
+    assert model_lib.reusable_cache((layers, [1, 2, 3, 4, 5]), [1, 2, 3, 4, 5, 6])[1] == 5   # full history: all of it
+    assert model_lib.reusable_cache((layers, [1, 2, 3, 4, 5]), [1, 2, 9, 9])[1] == 2          # folded: the shared prompt
+    assert model_lib.reusable_cache((layers, [1, 2, 3]), [1, 2, 3])[1] == 2                   # the last token is fed again
+    assert model_lib.reusable_cache((layers, [7, 2, 3]), [1, 2, 3]) is None
 
 # -----------------------------------------------------------------------------
 # scripted conversations: the template reproduced, tools executed, memory folded
@@ -325,7 +329,7 @@ def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn_qwen3(tok
             got[_name] = out = _f(*args, **kw)
             return out
         monkeypatch.setattr(rollout, name, spy)
-    mem_r, valid = rollout.memory_rewards(model, trajs, chat_format(tok, memory=True), answers, cfg)
+    mem_r, valid = advantage.memory_rewards(model, trajs, chat_format(tok, memory=True), answers, cfg)
     want = one_at_a_time_answer_probs(model, trajs, chat_format(tok, memory=True), answers, cfg)
     assert len(want) >= 6 and [tuple(x) for x in valid.nonzero().tolist()] == sorted(want)
     assert max(abs(float(mem_r[n, k]) - (pm - pf)) for (n, k), (pm, pf) in want.items()) <= 1e-6

@@ -8,7 +8,9 @@ from gym import OWNER, build_tokenizer, word_format
 from gyms import memory as gm
 from model import TinyAgent, sequence_log_probs
 import rollout
-from rollout import answer_pieces, collate, context_of, generate, memory_rewards, rollout_batch
+from advantage import answer_pieces, memory_rewards, scored_turn
+from model import generate
+from rollout import collate, context_of, rollout_batch
 
 CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1, temperature=1.0, device='cpu',
            max_tokens_per_microbatch=16384)
@@ -201,7 +203,7 @@ def one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg):
     for n, t in enumerate(trajs):
         ans, amask = answer_pieces(fmt, answers[n])
         for k in range(1, len(t.turns)):
-            if t.turns[k]['mem_len'] and rollout.well_formed(t.turns[k], fmt, False):  # as the gym judged it
+            if scored_turn(t.turns[k]):  # as the gym judged it
                 mem = fmt.turn_prefix + t.turns[k]['response'][:t.turns[k]['mem_len']]
                 full = t.ids.tolist()[:t.turn.tolist().index(k)] + mem
                 if len(full) + len(ans) <= cfg['max_len']:
@@ -229,7 +231,7 @@ def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn(mem_setup
             got[_name] = out = _f(*args, **kw)
             return out
         monkeypatch.setattr(rollout, name, spy)
-    mem_r, valid = rollout.memory_rewards(model, trajs, fmt, answers, cfg)
+    mem_r, valid = memory_rewards(model, trajs, fmt, answers, cfg)
     want = one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg)
     assert len(want) >= 12 and len({len(t.ids) for t in trajs}) > 5  # many turns, histories of many lengths
     assert [tuple(x) for x in valid.nonzero().tolist()] == sorted(want)
@@ -275,7 +277,7 @@ def test_finish_reason_of_sampled_and_scripted_turns_reaches_the_env():
 
 def test_prompts_that_leave_no_room_for_a_turn_fail_at_setup():
     # issue #13 case 8: `task N` is 3 tokens with <bos>; a turn needs max_response_tokens more
-    from rollout import check_prompts_fit
+    from gym import check_prompts_fit
     gym_ = dict(fmt=word_format(count_tok()), make_env=CountEnv, train_tasks=[0, 7], eval_tasks=[12])
     assert check_prompts_fit(gym_, dict(max_len=10, max_response_tokens=7)) == 3
     with pytest.raises(ValueError, match='max_len=10 is too short: the longest prompt is 3 tokens and a '

@@ -38,8 +38,13 @@ def test_step_without_advantage_at_the_reference_leaves_the_weights(weight_decay
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
     before = weights(model)
-    log, _, batch, adv = T.train_step(model, ref_model, opt, gym_, cfg, random.Random(0), torch.Generator().manual_seed(0))
-    assert batch['rewards'].tolist() == [0.0] * 4 and not adv.any() and log['tokens'] > 0
+    rng = random.Random(0)  # the stages of one step of train.main
+    trajs = T.run_tasks(model, gym_, cfg, [rng.choice(gym_['train_tasks'])], 4, [0], torch.Generator().manual_seed(0))
+    batch = T.collate(trajs, gym_['fmt'].pad_id)
+    ref_logp = T.reference_log_probs(ref_model, batch, cfg)
+    adv, _ = T.compute_advantages(model, gym_, cfg, trajs, batch, ref_logp)
+    log = T.ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, at_reference=T.is_reference(model, ref_model))
+    assert batch['rewards'].tolist() == [0.0] * 4 and not adv.any() and batch['action_mask'].sum() > 0
     assert abs(log['kl']) <= 1e-6 and log['bad_steps'] == 0
     assert max_change(before, model) <= 1e-9 and not opt.state  # no optimizer step was taken
 
