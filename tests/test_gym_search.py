@@ -106,7 +106,7 @@ def test_episode_search_then_answer(task):
     assert env.reset(task) == task.question                      # training prompt: the bare question
     obs, r, done, info = env.step(SEARCH + '<|im_end|>')         # a decoded stop token is dropped
     assert not done and r == 0.0 and obs.startswith('[1] Kiss and Tell (1945 film): ')
-    assert info == dict(n_turns=1, n_invalid=0, n_search=1)
+    assert info == dict(n_turns=1, n_invalid=0, n_search=1, turn_ok=True)
     obs, r, done, info = env.step(ANSWER.format('chief of protocol.'))
     assert done and r == 1.0 and info['success'] and info['stop'] == 'answer'
     assert (info['em'], info['f1'], info['format_ok'], info['answer']) == (1.0, 1.0, True, 'chief of protocol.')
@@ -253,7 +253,7 @@ def test_cut_turn_is_malformed_whatever_its_text(task):
     env.reset(task)
     obs, r, done, info = env.step(SEARCH, 'length')
     assert obs.startswith('error: bad format (the turn reached the response length limit')
-    assert not done and info == dict(n_turns=1, n_invalid=1, n_search=0)
+    assert not done and info == dict(n_turns=1, n_invalid=1, n_search=0, turn_ok=False)
     env.step(SEARCH)
     _, r, done, info = env.step(ANSWER.format('Chief of Protocol'))
     assert done and r == 0.0 and info['em'] == 1.0 and info['format_reason'] == 'turn 1: cut at the response length limit'
