@@ -325,10 +325,10 @@ def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn_qwen3(tok
     answers = [gs.answer_text(t.task) for t in trajs]
     got = {}
     for name in ('answer_probs', 'full_answer_probs'):
-        def spy(*args, _f=getattr(rollout, name), _name=name, **kw):
+        def spy(*args, _f=getattr(advantage, name), _name=name, **kw):
             got[_name] = out = _f(*args, **kw)
             return out
-        monkeypatch.setattr(rollout, name, spy)
+        monkeypatch.setattr(advantage, name, spy)
     mem_r, valid = advantage.memory_rewards(model, trajs, chat_format(tok, memory=True), answers, cfg)
     want = one_at_a_time_answer_probs(model, trajs, chat_format(tok, memory=True), answers, cfg)
     assert len(want) >= 6 and [tuple(x) for x in valid.nonzero().tolist()] == sorted(want)

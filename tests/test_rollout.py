@@ -7,6 +7,7 @@ import torch
 from gym import OWNER, build_tokenizer, word_format
 from gyms import memory as gm
 from model import TinyAgent, sequence_log_probs
+import advantage
 import rollout
 from advantage import answer_pieces, memory_rewards, scored_turn
 from model import generate
@@ -227,10 +228,10 @@ def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn(mem_setup
     answers = [gm.answer_text(t.task) for t in trajs]
     got = {}
     for name in ('answer_probs', 'full_answer_probs'):  # record what memory_rewards computed, in log space
-        def spy(*args, _f=getattr(rollout, name), _name=name, **kw):
+        def spy(*args, _f=getattr(advantage, name), _name=name, **kw):
             got[_name] = out = _f(*args, **kw)
             return out
-        monkeypatch.setattr(rollout, name, spy)
+        monkeypatch.setattr(advantage, name, spy)
     mem_r, valid = memory_rewards(model, trajs, fmt, answers, cfg)
     want = one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg)
     assert len(want) >= 12 and len({len(t.ids) for t in trajs}) > 5  # many turns, histories of many lengths
@@ -288,13 +289,3 @@ def test_prompts_that_leave_no_room_for_a_turn_fail_at_setup():
                 train_tasks=[], eval_tasks=[task])
     n = 1 + len(task.question.split()) + 1
     assert check_prompts_fit(gym_, dict(max_len=n + 24, max_response_tokens=24)) == n
-
-
-def test_collate_without_rows_raises_a_clear_error():
-    # every prompt plus max_response_tokens exceeds max_len: no episode reaches its first turn
-    fmt = word_format(count_tok())
-    trajs = rollout_batch([lambda ep: '<call> read </call>'] * 2, fmt, [CountEnv(), CountEnv()], [0, 1],
-                          dict(CFG, keep_tool_results='all', max_len=8, max_response_tokens=6))
-    assert all(t.info['stop'] == 'truncated' and not t.rows for t in trajs)
-    with pytest.raises(ValueError, match=r'collate: no training rows \(2 episodes'):
-        collate(trajs, 0)

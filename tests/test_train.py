@@ -295,19 +295,22 @@ def test_progress_lines_in_a_log_file(tmp_path):
 
 
 def test_reward_quality_corr_pairs_turns_with_their_quality():
+    """compute_advantages writes each turn's memory reward into the episode (None where not scored);
+    report pairs it with the turn's memory quality over all episodes (of every rank, once gathered)."""
     from types import SimpleNamespace as NS
-    import train as T
-    mem_r = torch.tensor([[0.0, 0.1, 0.5, 0.9], [0.0, 0.2, 0.0, 0.0]])
-    valid = torch.tensor([[False, True, True, True], [False, True, False, False]])
-    trajs = [NS(info=dict(mem_quality_turns=[None, 0.0, 0.5, 1.0])), NS(info=dict(mem_quality_turns=[None, None]))]
-    r, q = [0.1, 0.5, 0.9], [0.0, 0.5, 1.0]  # the only turns with both a valid reward and a quality
+    import report
+    t = NS(reward=0.0, valid=True, info=dict(mem_rewards=[None, 0.1, 0.5, 0.9], mem_quality_turns=[None, 0.0, 0.5, 1.0]))
+    u = NS(reward=0.0, valid=True, info=dict(mem_rewards=[None, 0.2], mem_quality_turns=[None, None]))
+    eps = [report.summarise(t), report.summarise(u)]
+    assert eps[0]['mem_pairs'] == [(0.1, 0.0), (0.5, 0.5), (0.9, 1.0)] and eps[1]['mem_pairs'] == []
+    r, q = [0.1, 0.5, 0.9], [0.0, 0.5, 1.0]  # the only turns with both a scored reward and a quality
     mr, mq = sum(r) / 3, sum(q) / 3
     want = sum((a - mr) * (b - mq) for a, b in zip(r, q)) / (
         sum((a - mr) ** 2 for a in r) ** 0.5 * sum((b - mq) ** 2 for b in q) ** 0.5)
-    assert abs(T.reward_quality_corr(mem_r, valid, trajs)['mem_reward_quality_corr'] - want) < 1e-12
-    assert T.reward_quality_corr(-mem_r, valid, trajs)['mem_reward_quality_corr'] < -0.99
-    assert T.reward_quality_corr(mem_r, valid & False, trajs) == {}  # no pairs
-    assert T.reward_quality_corr(mem_r, valid, [NS(info={}), NS(info={})]) == {}  # a gym without the metric
+    assert abs(report.episode_metrics(eps)['mem_reward_quality_corr'] - want) < 1e-12
+    assert report.quality_corr([(-a, b) for a, b in eps[0]['mem_pairs']], 'c')['c'] < -0.99
+    assert report.quality_corr([], 'c') == {} and report.quality_corr([(1.0, 0.5)] * 3, 'c') == {}  # none, constant
+    assert 'mem_reward_quality_corr' not in report.episode_metrics([report.summarise(NS(reward=0.0, valid=True, info={}))])
 
 
 def test_memory_quality_reaches_the_episode_metrics():
