@@ -6,6 +6,7 @@ Statistics are two-pass in float64: a one-pass float32 variance of equal non-dya
 positive or negative number instead of 0, and dividing by it explodes.
 """
 
+import dataclasses
 import time
 
 import torch
@@ -15,6 +16,16 @@ from model import autocast, forward_cached, micro_batches, position_ids_from_mas
 
 # -----------------------------------------------------------------------------
 # advantages
+
+
+def has_signal(values, valid, group_ids):
+    """{group id: bool}: whether a group's valid values differ (two or more of them, not all equal).
+    A group without signal gets advantage 0 and adds nothing to the gradient."""
+    out = {}
+    for g in group_ids.unique().tolist():
+        v = values[(group_ids == g) & valid]
+        out[g] = v.numel() >= 2 and bool(v.max() != v.min())
+    return out
 
 
 def _group_normalise(values, valid, group_ids, scale_std, eps):
@@ -45,17 +56,21 @@ def grpo_advantage(rewards, group_ids, valid=None, scale_std=True, eps=1e-6):
     return _group_normalise(rewards, valid, group_ids, scale_std, eps)
 
 
-def memory_advantage(mem_rewards, turn_valid, group_ids, eps=1e-6):
-    """MemPO's memory advantage (arXiv 2603.00680, §3).
+def memory_advantage(mem_rewards, turn_valid, group_ids, eps=1e-6, pool='group', scale_std=True):
+    """MemPO's memory advantage (arXiv 2603.00680, §3): the memory reward normalised over a pool.
 
     mem_rewards [N, K]: P_mem - P_full of turn k of episode n; turn_valid [N, K] bool: True for turns
-    t >= 2 that exist (turn 1 has no earlier history, so no memory reward). The statistics pool every
-    valid turn of every episode of one group (normalising per episode would often see one turn and a
-    zero std). Returns [N, K] float32, 0 at invalid turns, for pools of one value or of equal values."""
+    t >= 2 that exist and were scored. pool 'group' (MemPO's): every valid turn of every episode of
+    one group (per episode would often see one turn and a zero std); 'turn': the turns of one group
+    with the same index k only (ReMemR1, Shi et al. 2026, its trainer's per-(question, turn) baseline):
+    a turn-t memory is compared with other turn-t memories, so how far an episode has got, which
+    both P's also measure, cancels. scale_std=False: centred only. Returns [N, K] float32, 0 at
+    invalid turns and for pools of one value or of equal values."""
     n, k = mem_rewards.shape
-    flat_groups = group_ids[:, None].expand(n, k).reshape(-1)
+    pools = group_ids[:, None].expand(n, k) * (k if pool == 'turn' else 1)
+    pools = pools + torch.arange(k)[None, :] if pool == 'turn' else pools
     flat = torch.where(turn_valid, mem_rewards, torch.zeros_like(mem_rewards)).reshape(-1)
-    return _group_normalise(flat, turn_valid.reshape(-1), flat_groups, True, eps).view(n, k)
+    return _group_normalise(flat, turn_valid.reshape(-1), pools.reshape(-1), scale_std, eps).view(n, k)
 
 
 def token_advantages(outcome_adv, row_episode, action_mask, mem_adv=None, mem_mask=None, turn_ids=None,
@@ -81,13 +96,15 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     put the KL into the reward (REINFORCE++; README, "Swap the loss"). Returns (advantages, stats)."""
     out = grpo_advantage(batch['rewards'], batch['group_ids'], batch['valid'], cfg['adv_std'], cfg['adv_eps'])
     # how much outcome signal the step has: 0 when every group's rewards are equal
-    stats = dict(outcome_adv_abs_mean=float(out[batch['valid']].abs().mean()) if batch['valid'].any() else 0.0)
+    signal = has_signal(batch['rewards'], batch['valid'], batch['group_ids'])
+    stats = dict(outcome_adv_abs_mean=float(out[batch['valid']].abs().mean()) if batch['valid'].any() else 0.0,
+                 zero_var_groups=1 - sum(signal.values()) / max(len(signal), 1))
     mem_adv = None
     if cfg['mem_coef']:
         answers = [gym_['answer_text'](t.task) for t in trajs]
         t0 = time.time()
         mem_r, turn_valid = memory_rewards(model, trajs, gym_['fmt'], answers, cfg)
-        mem_adv = memory_advantage(mem_r, turn_valid, batch['group_ids'], cfg['adv_eps'])
+        mem_adv = memory_advantage(mem_r, turn_valid, batch['group_ids'], cfg['adv_eps'], cfg['mem_pool'], cfg['mem_std'])
         n = turn_valid.sum().clamp(min=1)
         stats.update(mem_reward_time_s=time.time() - t0,  # what the memory rewards add to a step
                      mem_reward_mean=float((mem_r * turn_valid).sum() / n),
@@ -99,16 +116,46 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     return adv, stats
 
 
+def keep_groups_with_signal(trajs, n_groups):
+    """Dynamic sampling (Yu et al. 2025, DAPO, §3.2): of the groups rolled out (trajs, whole groups in
+    order), keep n_groups, those whose rewards differ first, then all-equal ones to fill the batch,
+    so a step never waits for signal that does not come. Kept groups are renumbered 0..n_groups-1.
+    Returns (trajectories, the share of all-equal groups among those rolled out)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    signal = has_signal(rewards, torch.tensor([t.valid for t in trajs]), torch.tensor([t.group for t in trajs]))
+    keep = sorted(signal, key=lambda g: not signal[g])[:n_groups]  # stable: signal first, in rollout order
+    new_id = {g: i for i, g in enumerate(sorted(keep))}
+    kept = [dataclasses.replace(t, group=new_id[t.group]) for t in trajs if t.group in new_id]
+    return kept, 1 - sum(signal.values()) / len(signal)
+
+
+def tis_weights(trainer_logp, sample_logp, mask, cap):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"; verl's rollout_is): the sampler and the trainer round differently
+    (bf16, other batch shapes), so a token sampled with p_sampler is weighted by
+    min(p_trainer / p_sampler, cap). trainer_logp, sample_logp, mask [R, T-1] -> [R, T-1], 1 off the mask."""
+    w = torch.exp(trainer_logp - sample_logp).clamp(max=cap)
+    return torch.where(mask.bool(), w, torch.ones_like(w))
+
+
 # -----------------------------------------------------------------------------
 # MemPO's memory reward
 
 
-def answer_pieces(fmt, answer_text, open_tag='<answer>', close_tag='</answer>'):
-    """Ids of a gold answer as the policy writes it, and a 0/1 list marking the answer's own tokens
-    (the tags are not scored). answer_text is e.g. '<answer> a1 ; a2 </answer>'."""
+def answer_pieces(fmt, answer_text, n_scored=None, open_tag='<answer>', close_tag='</answer>'):
+    """Ids of a gold answer as the policy writes it, and a 0/1 list marking the scored tokens (never
+    the tags). answer_text is e.g. '<answer> a1 ; a2 </answer>'. n_scored: score only the first
+    n_scored parts (mem_target 'found'); the parts are then encoded one by one, ' ; ' between them
+    (the same ids for the word tokenizer; a BPE may join a part to its separator otherwise)."""
     inner = answer_text.strip()[len(open_tag):-len(close_tag)] if answer_text.strip().startswith(open_tag) else answer_text
     o, c, a = fmt.encode(open_tag), fmt.encode(close_tag), fmt.encode(inner)
-    return o + a + c, [0] * len(o) + [1] * len(a) + [0] * len(c)
+    if n_scored is None:
+        return o + a + c, [0] * len(o) + [1] * len(a) + [0] * len(c)
+    ids, score = list(o), [0] * len(o)
+    for i, part in enumerate(inner.split(';')):
+        sep, p = (fmt.encode(';') if i else []), fmt.encode(part.strip())
+        ids, score = ids + sep + p, score + [0] * len(sep) + [int(i < n_scored)] * len(p)
+    return ids + c, score + [0] * len(c)
 
 
 def scored_turn(turn):
@@ -124,6 +171,8 @@ def memory_probs(model, trajs, fmt, answers, cfg):
     and for memory_rewards."""
     hists, full, short, where = [t.ids.tolist() for t in trajs], [], [], []
     for n, t in enumerate(trajs):
+        if cfg.get('mem_success_only') and not t.info.get('success'):
+            continue  # InfoMem: an answer-likelihood reward is credit only where the episode succeeded
         ans_ids, ans_mask = answer_pieces(fmt, answers[n])
         turn = t.turn.tolist()
         for k in range(1, len(t.turns)):
@@ -132,6 +181,11 @@ def memory_probs(model, trajs, fmt, answers, cfg):
             # among the real ones (and move its group's normalisation pool)
             if not scored_turn(t.turns[k]):
                 continue
+            if cfg.get('mem_target') == 'found':  # retention, not progress: only the answers found so far
+                n_found = t.info.get('answers_found_turns', [0] * len(t.turns))[k]
+                if not n_found:
+                    continue
+                ans_ids, ans_mask = answer_pieces(fmt, answers[n], n_found)
             start = turn.index(k)  # turn k's forced prefix, then its response
             end = start + len(fmt.turn_prefix) + mem_len  # the history through turn k's </mem>
             if end + len(ans_ids) > cfg['max_len']:

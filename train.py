@@ -25,11 +25,11 @@ import time
 import torch
 
 import report
-from advantage import compute_advantages
+from advantage import compute_advantages, keep_groups_with_signal, tis_weights
 from config import all_reduce, check_run, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
 from gym import GymContractError, OutOfVocabulary, load_gym
-from model import (autocast, fold_lora, load_policy, lora_layers, merged, micro_batches, reference_log_probs,
-                   sequence_log_probs)
+from model import (autocast, batch_log_probs, fold_lora, is_reference, load_policy, merged, micro_batches, reference_log_probs,
+                   reference_of, sequence_log_probs, update_mode)
 from rollout import collate, episode_rows, run_tasks
 
 # -----------------------------------------------------------------------------
@@ -98,73 +98,68 @@ def loss_weights(mask, row_episode, loss_agg, max_episode_tokens, n_tokens=None,
 # the PPO update
 
 
-def update_mode(model):
-    """Dropout off for the update's forwards, as for the sampler's (else the first ratio is not 1). A
-    gradient-checkpointing layer keeps training=True: Hugging Face checkpoints only in training mode."""
-    model.eval()
-    for m in model.modules():
-        if getattr(m, 'gradient_checkpointing', False):
-            m.training = True
-
-
-def is_reference(model, ref_model):
-    """True while the policy's weights are the KL reference's (LoRA: every lora_B is 0): KL term 0."""
-    if ref_model is model:
-        return all(not p.any() for n, p in model.named_parameters() if 'lora_B' in n)
-    return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
-
-
 def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None, at_reference=False):
     """ppo_epochs passes over shuffled mini-batches of episodes, one optimizer step each. batch:
     collate() of this rank's episodes; adv, ref_logp (or None) [R, T-1]; at_reference: is_reference().
     A mini-batch without signal (no advantage on a trained token and a KL term of 0) takes no step:
     Adam would turn its rounding gradient into a full step. A non-finite loss or gradient skips the
-    step (bad_steps). Data parallel: episode_ids [N] index this rank's episodes in the global batch
-    of n_global, shuffled alike on every rank with global normalisers, so N ranks take the step of
-    one process. Returns a dict of metrics."""
+    step (bad_steps). tis_cap > 0: PPO's old log-probs are the trainer's (batch_log_probs) and each
+    token's surrogate is weighted by tis_weights. Data parallel: episode_ids [N] index this rank's
+    episodes in the global batch of n_global, shuffled alike on every rank with global normalisers,
+    so N ranks take the step of one process. Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
     mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # [R, T-1]; invalid episodes weigh 0
     row_global = episode_ids[batch['row_episode']]  # [R]
     max_ep_tokens = cfg['max_turns'] * cfg['max_response_tokens']
     sums = dict(clip_frac=0.0, kl=0.0, entropy=0.0, tokens=0.0, loss=0.0, log_ratio_clamped=0.0)
-    m = dict(grad_norm=0.0, logp_gap_max=0.0, ratio_dev_first_minibatch=0.0, bad_steps=0)
+    m = dict(grad_norm=0.0, logp_gap_max=0.0, ratio_dev_first_minibatch=0.0, bad_steps=0, gap_sum=0.0, gap_n=0)
     first, n_steps = True, cfg['ppo_epochs'] * cfg['mini_batches']
     no_kl = ref_logp is None or not cfg['kl_coef']
     kl_free = no_kl or (at_reference and cfg['kl_type'] != 'k1')  # at the reference k2, k3 have gradient 0; k1 not
     update_mode(model)
+    plan = []  # per epoch, the rows [r] of each mini-batch
     for epoch in range(cfg['ppo_epochs']):
         order = list(range(n_global))
         rng.shuffle(order)
-        for mb_eps in [order[i::cfg['mini_batches']] for i in range(cfg['mini_batches'])]:
-            rows = torch.nonzero(torch.isin(row_global, torch.tensor(mb_eps))).squeeze(1)
-            signal = not kl_free or all_reduce(float(((adv[rows] != 0) & mask[rows].bool()).sum())) > 0
-            per_ep = torch.zeros(n_global).index_add_(0, row_global[rows], mask[rows].sum(1))
-            w = loss_weights(mask[rows], row_global[rows], cfg['loss_agg'], max_ep_tokens,
-                             n_tokens=all_reduce(float(per_ep.sum())), n_episodes=all_reduce(float((per_ep > 0).sum())))
-            opt.zero_grad(set_to_none=True)
-            total = all_reduce(minibatch_loss(model, batch, rows, mask, w, adv, ref_logp, cfg, signal, sums,
-                                              m if first else None))
-            first = False
-            if signal:  # else the true gradient is 0 (docstring): no step, not even AdamW's weight decay
-                sync_gradients(model)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip']))
-                if not (math.isfinite(total) and math.isfinite(grad_norm)):
-                    m['bad_steps'] += 1  # a non-finite loss never reaches the weights
-                    opt.zero_grad(set_to_none=True)
-                    continue
-                opt.step()
-                kl_free = no_kl  # the policy has left the reference
-                m['grad_norm'] = max(m['grad_norm'], grad_norm)
-            sums['loss'] += total / n_steps
+        plan.append([torch.nonzero(torch.isin(row_global, torch.tensor(order[i::cfg['mini_batches']]))).squeeze(1)
+                     for i in range(cfg['mini_batches'])])
+    old = batch['sample_logp']  # [R, T-1]; exact in float32 (logp_gap_max)
+    if cfg['tis_cap']:  # bf16: the trainer's own old log-probs, and each token weighted for the sampler's
+        old = batch_log_probs(model, batch, cfg, plan[0], mask)  # as the first epoch's forwards, before any step
+        tis = tis_weights(old, batch['sample_logp'], mask, cfg['tis_cap'])
+        adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched
+        n_pol = all_reduce(float(mask.sum()))
+        m.update(tis_weight_mean=all_reduce(float((tis * mask).sum())) / max(n_pol, 1.0),
+                 tis_capped_frac=all_reduce(float(((tis >= cfg['tis_cap']) & mask.bool()).sum())) / max(n_pol, 1.0))
+    for rows in [rows for epoch in plan for rows in epoch]:
+        signal = not kl_free or all_reduce(float(((adv[rows] != 0) & mask[rows].bool()).sum())) > 0
+        per_ep = torch.zeros(n_global).index_add_(0, row_global[rows], mask[rows].sum(1))
+        w = loss_weights(mask[rows], row_global[rows], cfg['loss_agg'], max_ep_tokens,
+                         n_tokens=all_reduce(float(per_ep.sum())), n_episodes=all_reduce(float((per_ep > 0).sum())))
+        opt.zero_grad(set_to_none=True)
+        total = all_reduce(minibatch_loss(model, batch, rows, mask, w, adv, old, ref_logp, cfg, signal, sums,
+                                          m if first else None))
+        first = False
+        if signal:  # else the true gradient is 0 (docstring): no step, not even AdamW's weight decay
+            sync_gradients(model)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip']))
+            if not (math.isfinite(total) and math.isfinite(grad_norm)):
+                m['bad_steps'] += 1  # a non-finite loss never reaches the weights
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.step()
+            kl_free = no_kl  # the policy has left the reference
+            m['grad_norm'] = max(m['grad_norm'], grad_norm)
+        sums['loss'] += total / n_steps
     return update_metrics(sums, m, ref_logp is not None, n_steps)
 
 
-def minibatch_loss(model, batch, rows, mask, w, adv, ref_logp, cfg, backward, sums, first=None):
+def minibatch_loss(model, batch, rows, mask, w, adv, old_logp, ref_logp, cfg, backward, sums, first=None):
     """Forward (and with backward, backward) the micro-batches of rows [r] of batch, w [r, T-1] their
-    loss weights, adding the update's statistics to sums. first: the metrics dict on a step's first
-    mini-batch, before any update, where the sampler's log-probs must be the trainer's
-    (logp_gap_max) and every ratio 1. Returns this rank's loss (a float)."""
+    loss weights, old_logp [R, T-1] PPO's old log-probs, adding the update's statistics to sums.
+    first: the metrics dict on a step's first mini-batch, before any update: the gap of the sampler's
+    log-probs to the trainer's (logp_gap_max, _mean), and every ratio 1. Returns this rank's loss."""
     dev, total = cfg['device'], 0.0
     lengths = batch['attention_mask'].sum(1).tolist()
     for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
@@ -176,7 +171,7 @@ def minibatch_loss(model, batch, rows, mask, w, adv, ref_logp, cfg, backward, su
         with autocast(cfg):
             logp, ent = sequence_log_probs(model, batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev),
                                            cfg['temperature'], with_entropy=True, positions=am)
-        old = batch['sample_logp'][r, :L - 1].to(dev)
+        old = old_logp[r, :L - 1].to(dev)
         ref = ref_logp[r, :L - 1].to(dev) if ref_logp is not None else None
         loss, st = policy_loss(logp, old, adv[r, :L - 1].to(dev), am, w[mb, :L - 1].to(dev), cfg, ref)
         if backward:  # else the loss is only logged
@@ -190,7 +185,9 @@ def minibatch_loss(model, batch, rows, mask, w, adv, ref_logp, cfg, backward, su
             sums['entropy'] += float((ent * am).sum())
             sums['tokens'] += float(am.sum())
             if first is not None:
-                first['logp_gap_max'] = max(first['logp_gap_max'], float((logp - old).abs()[pol].max()))
+                gap = (logp - batch['sample_logp'][r, :L - 1].to(dev)).abs()[pol]
+                first['logp_gap_max'] = max(first['logp_gap_max'], float(gap.max()))
+                first['gap_sum'], first['gap_n'] = first['gap_sum'] + float(gap.sum()), first['gap_n'] + len(gap)
                 first['ratio_dev_first_minibatch'] = max(first['ratio_dev_first_minibatch'],
                                                          float((st['ratio'] - 1).abs()[pol].max()))
     return total
@@ -205,6 +202,7 @@ def update_metrics(sums, m, with_kl, n_steps):
         m[k] = sums[k] / max(sums['tokens'], 1.0)
     m['log_ratio_clamped'] = sums['log_ratio_clamped']  # tokens whose log-ratio hit +-LOG_RATIO_MAX
     m['logp_gap_max'] = all_reduce(m['logp_gap_max'], 'max')
+    m['logp_gap_mean'] = all_reduce(m.pop('gap_sum')) / max(all_reduce(m.pop('gap_n')), 1)
     m['ratio_dev_first_minibatch'] = all_reduce(m['ratio_dev_first_minibatch'], 'max')
     if not with_kl:
         m['kl'] = None
@@ -327,12 +325,6 @@ def learning_rate(step, cfg):
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg['lr'] - cfg['min_lr'])
 
 
-def reference_of(model):
-    """The frozen KL reference: a copy of the policy, or with LoRA the policy itself, whose adapters
-    reference_log_probs turns off (the base weights; no second copy)."""
-    return model if lora_layers(model) else copy.deepcopy(model).eval()
-
-
 def setup(cfg, ckpt):
     """Threads, seeds, the gym (with a resumed checkpoint's vocabulary) and the policy. Returns
     (gym_, model, rng, gen): rng draws tasks (the same on every rank), gen samples (one per rank)."""
@@ -410,11 +402,14 @@ def main(argv):
         for g in opt.param_groups:
             g['lr'] = lr
         # draw tasks, the same on every rank; each rank rolls out whole groups of its own
-        tasks = [rng.choice(gym_['train_tasks']) for _ in range(cfg['batch_size'])]
-        mine = list(range(rank(), cfg['batch_size'], world_size()))
+        n_groups = math.ceil(cfg['batch_size'] * cfg['oversample'])
+        tasks = [rng.choice(gym_['train_tasks']) for _ in range(n_groups)]
+        mine = list(range(rank(), n_groups, world_size()))
         # roll out: token-in/token-out episodes, sampled log-probs kept (rollout.py)
         trajs = run_tasks(model, gym_, cfg, [tasks[g] for g in mine], cfg['group_size'], mine, gen)
         check_invalid(trajs, 'RL')  # invalid episodes stay in the batch with weight 0
+        if n_groups > cfg['batch_size']:  # dynamic sampling: groups with signal first (one process)
+            trajs, sampled_zero_var = keep_groups_with_signal(trajs, cfg['batch_size'])
         batch = collate(trajs, gym_['fmt'].pad_id)  # training rows: one per episode, or per turn when folded
         ref_logp = reference_log_probs(ref_model, batch, cfg) if ref_model is not None else None  # [R, T-1]
         # advantages: GRPO per group, plus MemPO's memory advantage on <mem> tokens (advantage.py)
@@ -428,6 +423,8 @@ def main(argv):
                    tokens=sum(e.get('tt', 0) for e in eps), turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
                    mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps),
                    **{k: all_reduce(v) / world_size() for k, v in adv_stats.items()}, **m, step_time_s=time.time() - t0)
+        if n_groups > cfg['batch_size']:
+            log['zero_var_groups_sampled'] = sampled_zero_var
         log['tokens_per_s'] = log['tokens'] / log['step_time_s']
         if step == cfg['steps'] or (cfg['eval_every'] and step % cfg['eval_every'] == 0):
             log.update(evaluate(model, gym_, cfg, step))

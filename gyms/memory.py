@@ -32,7 +32,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
                           score_episode, strip_end_marker, validate_format)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward')
+KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -111,14 +111,19 @@ def _resolve(facts, root, chain):
 
 
 def needed_entities(task, found):
-    """What a folded agent must carry from the facts found so far: the answer of each objective it
-    finished and the farthest entity of the one in progress. found: {'entity rel1 rel2': [turns whose
-    search returned it]}. Objectives are taken in the question's order, as the oracle takes them: a
+    """What a folded agent must carry from the facts found so far (list[str]): progress(...)[0]."""
+    return progress(task, found)[0]
+
+
+def progress(task, found):
+    """(what a folded agent must carry from the facts found so far: the answer of each objective it
+    finished and the farthest entity of the one in progress; how many objectives it finished).
+    found: {'entity rel1 rel2': [turns whose search returned it]}. Objectives are taken in the question's order, as the oracle takes them: a
     hop counts for an objective only when found after the hop before it (after the previous
     objective's last hop, for its first one), so a fact found earlier for another objective is not
-    this one's progress. The root is in the question and never needed. Returns list[str]."""
+    this one's progress. The root is in the question and never needed."""
     out, last = [], -1
-    for q in task.question.split(" ; "):
+    for n_done, q in enumerate(task.question.split(" ; ")):
         words = q.split(" of ")
         e = root = words[-1]
         hops = [NOUN_TO_REL[noun] for noun in reversed(words[:-1])]
@@ -132,8 +137,8 @@ def needed_entities(task, found):
         if e != root:
             out.append(e)
         if done < len(hops):  # this objective is in progress: the ones after it have not started
-            return out
-    return out
+            return out, n_done
+    return out, len(task.golds)
 
 
 def memory_quality(task, turn_text, found):
@@ -217,7 +222,7 @@ class MemoryEnv:
     def reset(self, task):
         """Start an episode; returns the prompt (the question words)."""
         self.task, self.turns, self.n_invalid, self.cut = task, [], 0, []
-        self.found, self.quality = {}, []  # fact -> turns that returned it; memory_quality per turn
+        self.found, self.quality, self.n_found = {}, [], []  # fact -> turns that returned it; per turn
         self.budget = self.max_turns or 2 + sum(task.hops)
         return task.question
 
@@ -227,6 +232,7 @@ class MemoryEnv:
         text = "<mem> " + strip_end_marker(action_text)
         self.turns.append(text)
         self.quality.append(memory_quality(self.task, text, self.found))
+        self.n_found.append(progress(self.task, self.found)[1])  # objectives answered by facts before this turn
         action = check_turn(text, self.require_think)[0] if finish != "length" else None
         if finish == "length":
             self.cut.append(len(self.turns))
@@ -253,6 +259,7 @@ class MemoryEnv:
         known = [q for q in self.quality if q is not None]  # success: every objective right AND a valid format
         info = dict(stop=stop, success=scored and s["em_count"] == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,
                     format_ok=ok, format_reason=reason, answer=answer, mem_quality_turns=list(self.quality),
+                    answers_found_turns=list(self.n_found),
                     mem_quality=sum(known) / len(known) if known else None, turn_ok=turn_ok, **s)
         return reward, True, info
 

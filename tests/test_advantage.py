@@ -60,3 +60,22 @@ def test_memory_advantage_only_on_mem_tokens():
     assert torch.allclose(adv, torch.tensor([[0, 0.5, 0.5, 0.5, 0, 1.5, 1.5, 0.5]]))
     plain = token_advantages(outcome, torch.tensor([0]), action)
     assert torch.allclose(adv - plain, torch.tensor([[0, 0, 0, 0, 0, 1.0, 1.0, 0]]))
+
+
+# -----------------------------------------------------------------------------
+# the memory advantage's options (mem_pool, mem_std), by hand
+
+
+def test_memory_advantage_pools_by_group_or_by_turn_with_or_without_std():
+    r = torch.tensor([[0.0, 1.0, 3.0], [0.0, 2.0, 5.0]])  # two episodes of one group, turns 1-2 scored
+    valid = torch.tensor([[False, True, True], [False, True, True]])
+    g = torch.tensor([0, 0])
+    # MemPO: one pool {1, 3, 2, 5}: mean 2.75, population std sqrt(2.1875)
+    want = (torch.tensor([[0.0, 1.0, 3.0], [0.0, 2.0, 5.0]]) - 2.75) / 2.1875 ** 0.5 * valid
+    assert torch.allclose(memory_advantage(r, valid, g, eps=0.0), want)
+    # per turn index, centred only: turn 1 {1, 2} -> -0.5, 0.5; turn 2 {3, 5} -> -1, 1
+    assert memory_advantage(r, valid, g, 0.0, 'turn', False).tolist() == [[0.0, -0.5, -1.0], [0.0, 0.5, 1.0]]
+    assert memory_advantage(r, valid, g, 0.0, 'turn', True).tolist() == [[0.0, -1.0, -1.0], [0.0, 1.0, 1.0]]
+    # two groups never share a turn pool
+    two = memory_advantage(r, valid, torch.tensor([0, 1]), 0.0, 'turn', False)
+    assert not two.any()  # each (group, turn) pool holds one value: no signal

@@ -83,3 +83,28 @@ def test_a_format_character_between_a_letter_and_its_accent_still_composes():
     """The marks go before NFKC, so "e" + U+200B + a combining acute is the composed letter."""
     from gyms.answers import em
     assert em('e\u200b\u0301', '\u00e9') == 1.0
+
+
+# -----------------------------------------------------------------------------
+# the memory reward's target and episodes (mem_target, mem_success_only)
+
+
+def test_found_target_scores_only_the_answers_found_before_the_turn():
+    from advantage import answer_pieces
+    tok = build_tokenizer(gm.memory_texts())
+    fmt = word_format(tok, memory=True)
+    torch.manual_seed(0)
+    model = TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
+    task = gm.make_tasks('train', 1, seed=3, n_objectives=(2, 2), hops=(2, 2))[0]
+    gold = gm.answer_text(task)
+    ids, score = answer_pieces(fmt, gold, 1)
+    assert ids == answer_pieces(fmt, gold)[0]  # word level: the parts encode to the same ids
+    assert fmt.decode([i for i, s in zip(ids, score) if s]) == task.golds[0][0]
+    t = rollout_batch([gm.folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
+    found = t.info['answers_found_turns']  # objectives answered by facts found before each turn
+    assert t.info['success'] and found[0] == 0 and found == sorted(found) and found[-1] == 2
+    whole = memory_rewards(model, [t], fmt, [gold], CFG)[1][0].tolist()
+    kept = memory_rewards(model, [t], fmt, [gold], dict(CFG, mem_target='found'))[1][0].tolist()
+    assert kept == [w and n > 0 for w, n in zip(whole, found)] and any(kept) and kept != whole
+    t.info['success'] = False
+    assert not memory_rewards(model, [t], fmt, [gold], dict(CFG, mem_success_only=True))[1].any()

@@ -61,15 +61,15 @@ def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     assert gap <= 1e-6 and ' 0 scored turns' not in rows[-1]['note']
 
 
+def test_smoke_bf16_rows_compare_bf16_with_float32(tmp_path):
+    rows = run_smoke(tmp_path, 'bf16')
+    check_rows(rows, ['ppo_update_bf16_vs_fp32_tiny', 'rollout_bf16_vs_fp32_tiny'])
+    assert rows[0]['mfu'] > 0 and 'bfloat16 matmul' in rows[0]['peak_source']
+    bf16, fp32 = (float(x) for x in rows[0]['note'].split('logp_gap_max bf16 ')[1].split(', float32 '))
+    assert fp32 <= 1e-5 < bf16  # the batch's log-probs are float32's: bf16 rounds away from them
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec('trl') is None, reason='trl is in requirements-bench.txt only')
 def test_smoke_rl_step_vs_trl_row(tmp_path):
     check_rows(run_smoke(tmp_path, 'rl'), ['rl_step_vs_trl'])
-
-
-def test_where_time_goes_names_the_top_operators_of_each_path():
-    m, x = torch.nn.Linear(32, 32), torch.randn(8, 32)
-    out = bench.where_time_goes('row', [('ours', lambda: m(x)), ('base', lambda: torch.softmax(m(x), -1))], top=3)
-    lines = out.splitlines()
-    assert lines[0].startswith('row is under 1.2x') and lines[1].startswith('  ours: ') and lines[2].startswith('  base: ')
-    assert 'aten::' in lines[1] and lines[1].count('%') == 3 and 'softmax' in lines[2]

@@ -15,13 +15,13 @@ import train
 from train import config, kl_penalty, loss_weights, micro_batches, policy_loss, ppo_update
 
 
-def setup(keep=1, n=8, group=4, seed=0):
+def setup(keep=1, n=8, group=4, seed=0, dtype='float32'):
     tok = build_tokenizer(gm.memory_texts())
     torch.manual_seed(seed)
     model = TinyAgent(tok.vocab_size, 2, 4, 64, 256)
     tasks = gm.make_tasks('train', n // group, seed=seed)
     tasks = [t for t in tasks for _ in range(group)]
-    cfg = dict(config, keep_tool_results=keep, max_turns=6, max_response_tokens=16, max_len=256)
+    cfg = dict(config, keep_tool_results=keep, max_turns=6, max_response_tokens=16, max_len=256, dtype=dtype)
     model.eval()
     trajs = rollout_batch(model, word_format(tok, memory=True), [gm.MemoryEnv() for _ in tasks], tasks, cfg,
                           groups=[i // group for i in range(n)], generator=torch.Generator().manual_seed(seed))
