@@ -137,9 +137,8 @@ def trunk(model, ids, attention_mask=None):
 
 def forward_cached(model, ids, attention_mask, position_ids, cache=None, every_position=False):
     """One cached forward of a TinyAgent or a Hugging Face causal LM: ids [B, T] after the cache's S
-    positions, attention_mask [B, S+T], position_ids [B, T]. Returns (logits, new cache): logits [B, V]
-    of the last position only, or [B, T, V] with every_position. Transformers 5 renamed
-    past_key_values to cache."""
+    positions, attention_mask [B, S+T], position_ids [B, T]. Returns (logits [B, V] of the last position,
+    or [B, T, V] with every_position; the new cache). Transformers 5 renamed past_key_values to cache."""
     name = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
     out = model(ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                 logits_to_keep=0 if every_position else 1, **{name: cache})
@@ -161,8 +160,8 @@ def cache_layers(cache):
 
 
 def make_cache(model, layers):
-    """A KV cache for `model` holding per-layer (keys, values) [B, H, S, D]: a list for a TinyAgent, a
-    Hugging Face DynamicCache otherwise (a model with sliding-window layers is not supported)."""
+    """A KV cache of per-layer (keys, values) [B, H, S, D]: a list for a TinyAgent, else a Hugging Face
+    DynamicCache (sliding-window layers not supported)."""
     if isinstance(model, TinyAgent):
         return list(layers)
     from transformers import DynamicCache
@@ -188,8 +187,8 @@ def reusable_cache(kv, context):
     the next context starts with (never its last token, which is fed for logits), or None."""
     if kv is None:
         return None
-    layers, ids = kv
-    n, limit = 0, min(len(ids), len(context) - 1)
+    (layers, ids), n = kv, 0
+    limit = min(len(ids), len(context) - 1)
     while n < limit and ids[n] == context[n]:
         n += 1
     return (layers, n) if n else None
@@ -208,10 +207,9 @@ def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generat
     with padding between them, masked out. With caches given (a list, even of None) the call also
     returns each row's new cache: its context and its response but the last token (never fed)."""
     device = next(model.parameters()).device
-    B = len(contexts)
-    return_caches = caches is not None
-    past = [reusable_cache(kv, c) for kv, c in zip(caches, contexts)] if return_caches else None
-    n_cached = [p[1] if p is not None else 0 for p in (past or [None] * B)]
+    B, return_caches = len(contexts), caches is not None
+    past = [reusable_cache(kv, c) for kv, c in zip(caches, contexts)] if return_caches else [None] * B
+    n_cached = [p[1] if p is not None else 0 for p in past]
     Lc, L = max(n_cached), max(len(c) - n for c, n in zip(contexts, n_cached))
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros(B, Lc + L, dtype=torch.long)
