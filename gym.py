@@ -110,9 +110,14 @@ def checked_step(env, action, finish):
     return obs, float(reward), done, info
 
 
-def scripted_turn(said):
-    """What a scripted (warm_policy) policy returned -> (text, train): text alone trains; (text, False)
-    is a mistake to play but not train on. Anything else raises GymContractError."""
+def scripted_turn(policy, episode):
+    """A scripted (warm_policy) policy's next turn -> (text, train): text alone trains; (text, False)
+    is a mistake to play but not train on. A policy that raises, or returns anything else, raises
+    GymContractError (one line, naming it)."""
+    try:
+        said = policy(episode)
+    except Exception as e:
+        raise GymContractError(f"the gym's scripted policy raised {type(e).__name__}: {e}") from None
     text, train = said if isinstance(said, tuple) and len(said) == 2 else (said, True)
     if not isinstance(text, str) or train not in (True, False):
         raise GymContractError(f"a scripted policy returned {said!r}; it returns the turn's text, or "

@@ -121,11 +121,16 @@ MODEL_SHAPE = ('n_layer', 'n_head', 'n_embd', 'max_len')  # config keys that siz
 METRICS = 'metrics.jsonl'
 
 
-def check_out_dir(cfg):
+RUN_KEYS = ('steps', 'resume', 'overwrite', 'out_dir', 'threads', 'log_every', 'eval_every', 'save_every',
+            'keep_checkpoints', 'tensorboard', 'wandb_project', 'dump_rollouts')  # change freely on a resume
+
+
+def check_out_dir(cfg, master=True):
     """--resume's newest loadable checkpoint as (state, path), or None for a fresh run. Exits 2 with
     one line before a fresh run would replace an earlier run in out_dir without overwrite=True, or
     when --resume finds another run's checkpoint (other gym, model, seed, tasks or tiny-model shape),
-    a checkpoint past `steps`, or metrics without any checkpoint. Runs before the gym's set-up."""
+    a checkpoint past `steps`, or metrics without any checkpoint; warns of other settings that differ
+    from the checkpoint's (they apply from here on). Runs before the gym's set-up."""
     state, path = load_latest_checkpoint(cfg['out_dir'], 'run without --resume') if cfg['resume'] else (None, None)
     old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
@@ -144,6 +149,11 @@ def check_out_dir(cfg):
         fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), {METRICS} "
              f"{'present' if metrics else 'absent'}): --resume=True continues it, "
              f"--overwrite=True replaces it, or choose another out_dir")
+    changed = [f"{k} {v!r} there, {cfg[k]!r} here" for k, v in (state or {}).get('config', {}).items()
+               if k in cfg and k not in RUN_KEYS and v != cfg[k]]
+    if changed and master:
+        print(f"warning: --resume=True: the run goes on with settings other than its checkpoint's: {'; '.join(changed)}",
+              file=sys.stderr)
     return (state, path) if state is not None else None
 
 

@@ -243,7 +243,7 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
                 eps[i].kv = kv
             cut = [False] * len(responses)  # generate stops at a stop id or at the budget
         else:
-            acts = [scripted_turn(policy[i](eps[i])) for i in active]
+            acts = [scripted_turn(policy[i], eps[i]) for i in active]
             train = [a[1] for a in acts]
             full = [fmt.encode(a[0]) + fmt.end_turn for a in acts]  # as a model ends its turn
             responses = [f[:cfg['max_response_tokens']] for f in full]

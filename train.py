@@ -4,8 +4,9 @@ Train a language-model agent with multi-turn RL: rollout -> rewards -> advantage
     python train.py config/tiny.yaml --steps=50 --seed=2
 
 Top to bottom: the loss (the function a forker swaps), the PPO update, evaluation and the warm
-start, set-up, then main(), whose loop is one RL step in order: learning rate, draw tasks, roll out,
-drop invalid episodes, collate, reference log-probs, advantages, PPO update, log, evaluate, save.
+start, set-up, then main(), whose loop is one RL step in order: learning rate, draw tasks, roll out
+(optionally keeping the groups with signal), weigh invalid episodes 0, collate, reference log-probs,
+advantages, PPO update, log, evaluate, save.
 
 Simplifications, on purpose:
 1. No value model: GRPO's group baseline replaces it (no GAE, no bootstrapping at truncation;
@@ -390,7 +391,7 @@ def main(argv):
     ddp = init_distributed(cfg)
     master = rank() == 0
     check_run(cfg, master)  # the device, the gym's name and keys: one line, before anything is made
-    ckpt = report.check_out_dir(cfg)  # an earlier run in out_dir, or --resume's checkpoint
+    ckpt = report.check_out_dir(cfg, master)  # an earlier run in out_dir, or --resume's checkpoint
     gym_, model, rng, gen = setup(cfg, ckpt)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])

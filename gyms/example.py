@@ -45,8 +45,9 @@ def consistent_guesser(rng):
     def act(ep):
         lo, hi = 0, N - 1
         for action, obs in zip(ep.actions, ep.texts[1:]):
-            guess = int(action.split()[2])
-            lo, hi = (guess + 1, hi) if obs == 'higher' else (lo, guess - 1) if obs == 'lower' else (lo, hi)
+            if obs in ('higher', 'lower'):  # a malformed call (e.g. cut at max_response_tokens) tells nothing
+                guess = int(action.split()[2])
+                lo, hi = (guess + 1, hi) if obs == 'higher' else (lo, guess - 1)
         return f'<call> guess {rng.randint(lo, max(lo, hi))} </call>'
     return act
 

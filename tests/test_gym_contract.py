@@ -313,6 +313,17 @@ def test_a_scripted_policy_returns_text_or_text_and_false(said):
     assert t.reward == 1.0 and [tr['train'] for tr in t.turns] == [False]
 
 
+def test_a_scripted_policy_that_raises_is_named_in_one_line(tmp_path, capsys):
+    import train
+    fmt, cfg = word_format(build_tokenizer(['x'])), dict(config, max_turns=2)
+    with pytest.raises(gym.GymContractError, match="the gym's scripted policy raised IndexError: list index"):
+        rollout_batch([lambda ep: [][0]], fmt, [_OneTurn()], [0], cfg)
+    # the example gym's warm policy reads only well-formed answers: a cut turn no longer breaks it
+    train.main(['config/example.yaml', '--max_response_tokens=2', '--warmstart_episodes=8', '--warmstart_steps=2',
+                '--steps=0', '--eval_tasks=2', '--eval_samples=1', f'--out_dir={tmp_path}'])
+    assert 'scripted turns are cut at max_response_tokens=2' in capsys.readouterr().err
+
+
 def test_a_gym_with_an_unknown_model_kind_or_a_key_without_default_stops_only_itself(tmp_path, monkeypatch, capsys):
     import gyms
     folder = tmp_path / 'gyms'

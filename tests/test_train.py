@@ -423,3 +423,15 @@ def test_warm_start_says_when_scripted_turns_are_cut(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     warned = [line for line in p.stderr.splitlines() if line.startswith('warning: warm start:')]
     assert p.returncode == 0 and len(warned) == 1 and 'scripted turns are cut at max_response_tokens=6' in warned[0]
+
+
+def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, capsys):
+    import train as T
+    args = ['config/example.yaml', '--warmstart_episodes=8', '--warmstart_steps=2', '--eval_tasks=2', '--eval_samples=1',
+            '--batch_size=2', '--group_size=2', f'--out_dir={tmp_path}']
+    T.main(args + ['--steps=1'])
+    capsys.readouterr()
+    T.main(args + ['--steps=2', '--resume=True', '--lr=5e-4', '--eval_every=1'])
+    err = capsys.readouterr().err
+    assert 'the run goes on with settings other than its checkpoint' in err and 'lr 0.001 there, 0.0005 here' in err
+    assert 'eval_every' not in err and 'steps' not in err  # run keys change freely
