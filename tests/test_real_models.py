@@ -411,8 +411,9 @@ def test_greedy_evaluation_does_not_depend_on_batching(tok, model):
 
 
 def run_train(out_dir, *args, timeout=600):
-    p = subprocess.run([sys.executable, 'train.py', *args, f'--out_dir={out_dir}'], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE='1'))
+    from script_server import run_script  # python train.py, forked from a pre-warmed interpreter
+    p = run_script('train.py', [*args, f'--out_dir={out_dir}'], cwd=ROOT, timeout=timeout,
+                   env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(line) for line in open(out_dir / 'metrics.jsonl')]
     steps = [m for m in lines if m['step'] > 0]

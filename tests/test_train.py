@@ -17,6 +17,7 @@ from gym import load_gym
 from gyms import memory as gm
 from model import load_policy
 from rollout import rollout_batch
+from script_server import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ('step_time_s', 'tokens_per_s')
@@ -31,7 +32,7 @@ def train(out_dir, *args, check=True, wait=True, small=SMALL):
         # ignored, a child inherits that, and Python then installs no KeyboardInterrupt handler at all
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = run_script(cmd[1], cmd[2:], cwd=ROOT, env=env, timeout=600)  # python train.py, forked from a warm interpreter
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
     return p
@@ -156,8 +157,8 @@ def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
     assert (tmp_path / 'config.json').read_text() == saved  # a refused resume leaves the run's config as it was
     p = train(tmp_path, '--steps=1', '--resume=True', '--lr=0.5')  # finished: nothing to train, nothing rewritten
     assert 'resumed from' in p.stdout and (tmp_path / 'config.json').read_text() == saved
-    p = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
-                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE='1'))
+    p = run_script('sample.py', [f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
+                   env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
     p = train(tmp_path, '--steps=2', '--resume=True', '--seed=7', check=False)
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with seed 1337, not 7; "
@@ -449,10 +450,9 @@ def test_warm_start_says_when_scripted_turns_are_cut(tmp_path):
     args = ['config/tiny_mem.yaml', '--steps=0', '--warmstart_steps=1', '--warmstart_episodes=4', '--eval_tasks=2',
             '--train_tasks=20', '--threads=1', '--n_embd=32']
     env = dict(os.environ, HF_HUB_OFFLINE='1')
-    p = subprocess.run([sys.executable, 'train.py', *args, f'--out_dir={tmp_path / "a"}'], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = run_script('train.py', [*args, f'--out_dir={tmp_path / "a"}'], cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0 and 'warning' not in p.stderr, p.stderr[-2000:]
-    p = subprocess.run([sys.executable, 'train.py', *args, '--max_response_tokens=6', f'--out_dir={tmp_path / "b"}'],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run_script('train.py', [*args, '--max_response_tokens=6', f'--out_dir={tmp_path / "b"}'], cwd=ROOT, env=env,
+                   timeout=300)
     warned = [line for line in p.stderr.splitlines() if line.startswith('warning: warm start:')]
     assert p.returncode == 0 and len(warned) == 1 and 'scripted turns are cut at max_response_tokens=6' in warned[0]
