@@ -6,7 +6,9 @@ the repo's modules before train.py reads its first flag; the tests start train.p
 a hundred times, mostly for one-line refusals. The server imports them once; each run is a fork of it
 that gets its own stdin (/dev/null), stdout and stderr (files), working directory, environment and
 sys.argv, and runs the script as __main__ (runpy), so exit status, stdout and stderr are the script's own,
-as with subprocess.run. The server never runs a torch op itself (no thread pool exists to fork).
+as with subprocess.run. The server only imports modules (torch, the repo's, and torch._dynamo,
+transformers and matplotlib, which a run imports lazily): it runs no torch op and no tokenizer, so no
+thread pool exists to fork, and it fills no cache of the repo's code.
 
 run_script(...) returns a subprocess.CompletedProcess, like subprocess.run(..., capture_output=True,
 text=True). NANOAGENT_TEST_FRESH_PYTHON=1 runs every script in a fresh interpreter instead.
@@ -28,6 +30,7 @@ import json, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: F401  the expensive imports, once
 import train, sample  # noqa: F401
+import torch._dynamo, transformers, matplotlib.figure  # noqa: F401  imported lazily (first optimizer, HF model, curves)
 reply = os.fdopen(os.dup(1), 'w')
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the server's own prints go nowhere
 reply.write('ready\n')
