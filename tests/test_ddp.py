@@ -31,8 +31,9 @@ def test_two_ranks_equal_one_process_after_one_step(tmp_path, loss_agg, invalid)
     """With 'invalid', rank 1 holds only invalid episodes: it adds nothing and still joins every collective."""
     one, two = tmp_path / 'one.pt', tmp_path / 'two.pt'
     extra = [invalid] if invalid else []
-    subprocess.run([sys.executable, 'tests/ddp_step.py', str(one), loss_agg, *extra], cwd=ROOT, env=ENV, check=True,
-                   timeout=300)
+    from script_server import run_script  # python tests/ddp_step.py, forked from a pre-warmed interpreter
+    p = run_script('tests/ddp_step.py', [str(one), loss_agg, *extra], cwd=ROOT, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
     p = run_torchrun(torchrun(2, 'tests/ddp_step.py', str(two), loss_agg, *extra), cwd=ROOT, env=ENV,
                      capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

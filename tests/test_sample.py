@@ -295,9 +295,9 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--eval', '--curves=c.png', '--untrained'], '--curves does nothing with --eval: drop one of them'),
 ])
 def test_cli_mistakes_exit_2_with_one_line(script, args, needle):
-    import subprocess
+    from script_server import run_script  # python script args, forked from a pre-warmed interpreter
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, script, *args], cwd=root, capture_output=True, text=True, timeout=120)
+    p = run_script(script, args, cwd=root, timeout=120)
     assert p.returncode == 2 and p.stderr.count('\n') == 1 and needle in p.stderr, p.stderr
 
 

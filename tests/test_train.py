@@ -3,6 +3,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from gym import load_gym
 from gyms import memory as gm
 from model import load_policy
 from rollout import rollout_batch
+from script_server import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ('step_time_s', 'tokens_per_s')
@@ -30,7 +32,7 @@ def train(out_dir, *args, check=True, wait=True, small=SMALL):
         # ignored, a child inherits that, and Python then installs no KeyboardInterrupt handler at all
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = run_script(cmd[1], cmd[2:], cwd=ROOT, env=env, timeout=600)  # python train.py, forked from a warm interpreter
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
     return p
@@ -48,6 +50,40 @@ def reference(tmp_path_factory):
     return metrics(out)
 
 
+# Runs that several tests start from, trained once per module; each test works on its own copy (copy_run),
+# so what one test corrupts, resumes or overwrites no other test sees. Every train.py start pays ~5 s of
+# imports and the bugfix gym's set-up before its first step, so sharing them is most of test_train's time.
+@pytest.fixture(scope='module')
+def warm_started(tmp_path_factory):
+    """A fresh run with --steps=0: the warm start and the step-0 evaluation, then ckpt_000000 (kl_coef 0)."""
+    out = tmp_path_factory.mktemp('steps0')
+    train(out, '--steps=0')
+    return out
+
+
+@pytest.fixture(scope='module')
+def one_step(tmp_path_factory):
+    """A finished 1-step run (kl_coef 0, group_size 4) saving every step: ckpt_000000 and ckpt_000001;
+    returns (out_dir, its CompletedProcess)."""
+    out = tmp_path_factory.mktemp('steps1')
+    return out, train(out, '--steps=1', '--save_every=1')
+
+
+@pytest.fixture(scope='module')
+def four_steps(tmp_path_factory):
+    """A 4-step run saving every step and keeping 3 checkpoints (ckpt_000002..4): the reference run stopped
+    at step 4, an evaluation step."""
+    out = tmp_path_factory.mktemp('steps4')
+    train(out, '--steps=4', '--save_every=1', '--keep_checkpoints=3')
+    return out
+
+
+def copy_run(src, dst):
+    """The run in src (checkpoints, metrics.jsonl, config.json) copied into dst, as if trained there."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    return dst
+
+
 def test_same_seed_same_metrics_on_cpu(reference, tmp_path):
     train(tmp_path, '--steps=6', '--save_every=1')
     assert metrics(tmp_path) == reference
@@ -61,8 +97,8 @@ def test_same_seed_same_metrics_on_cpu(reference, tmp_path):
     assert {'model', 'optimizer', 'rng', 'step', 'config'} <= set(ckpt) and ckpt['config']['steps'] == 6
 
 
-def test_stop_and_resume_logs_the_same_metrics(reference, tmp_path):
-    train(tmp_path, '--steps=4', '--save_every=1')  # stops at an eval step, as the reference evaluates there
+def test_stop_and_resume_logs_the_same_metrics(reference, four_steps, tmp_path):
+    copy_run(four_steps, tmp_path)  # stopped at step 4, an eval step, as the reference evaluates there
     with open(tmp_path / 'metrics.jsonl', 'a') as f:
         f.write('{"step": 5, "loss"')  # a line half-written when the run was killed: dropped on resume
     p = train(tmp_path, '--steps=6', '--save_every=1', '--resume=True')
@@ -70,8 +106,8 @@ def test_stop_and_resume_logs_the_same_metrics(reference, tmp_path):
     assert metrics(tmp_path) == reference
 
 
-def test_resume_after_the_warm_start_skips_it_and_logs_the_same_metrics(reference, tmp_path):
-    train(tmp_path, '--steps=0')  # the warm start and the step-0 evaluation, then ckpt_000000
+def test_resume_after_the_warm_start_skips_it_and_logs_the_same_metrics(reference, warm_started, tmp_path):
+    copy_run(warm_started, tmp_path)  # the warm start and the step-0 evaluation, then ckpt_000000
     assert [c.name for c in tmp_path.glob('ckpt_*.pt')] == ['ckpt_000000.pt']
     p = train(tmp_path, '--steps=6', '--save_every=1', '--resume=True')
     assert 'resumed from' in p.stdout and 'ckpt_000000.pt' in p.stdout and 'warm start' not in p.stdout
@@ -92,8 +128,8 @@ def test_evaluating_more_often_changes_no_training_number(reference, tmp_path):
         assert m['outcome_adv_abs_mean'] >= 0 and (m['reward_mean'] > 0 or m['outcome_adv_abs_mean'] == 0)
 
 
-def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
-    train(tmp_path, '--steps=2', '--save_every=1', '--keep_checkpoints=2')
+def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(one_step, tmp_path):
+    copy_run(one_step[0], tmp_path)  # ckpt_000000 and ckpt_000001
     ckpts = sorted(tmp_path.glob('ckpt_*.pt'))
     for c in ckpts:
         c.write_bytes(b'not a checkpoint')
@@ -111,8 +147,8 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(tmp_path):
                                               'continue from; --overwrite=True replaces the run, or choose another out_dir\n')
 
 
-def test_resume_with_another_model_size_names_the_key(tmp_path):
-    train(tmp_path, '--steps=1')
+def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
+    copy_run(one_step[0], tmp_path)  # a finished --steps=1 run
     saved = (tmp_path / 'config.json').read_text()
     p = train(tmp_path, '--steps=2', '--resume=True', '--n_embd=64', '--n_head=2', check=False)  # before the set-up
     assert p.returncode == 2 and p.stdout == '' and p.stderr == (
@@ -121,8 +157,8 @@ def test_resume_with_another_model_size_names_the_key(tmp_path):
     assert (tmp_path / 'config.json').read_text() == saved  # a refused resume leaves the run's config as it was
     p = train(tmp_path, '--steps=1', '--resume=True', '--lr=0.5')  # finished: nothing to train, nothing rewritten
     assert 'resumed from' in p.stdout and (tmp_path / 'config.json').read_text() == saved
-    p = subprocess.run([sys.executable, 'sample.py', f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
-                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE='1'))
+    p = run_script('sample.py', [f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
+                   env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
     p = train(tmp_path, '--steps=2', '--resume=True', '--seed=7', check=False)
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with seed 1337, not 7; "
@@ -136,8 +172,8 @@ def test_resume_with_another_model_size_names_the_key(tmp_path):
                                               "eval_tasks 4, not 5; choose another out_dir for a new run\n")
 
 
-def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
-    train(tmp_path, '--steps=4', '--save_every=1', '--keep_checkpoints=3')
+def test_corrupt_checkpoint_falls_back_to_previous(reference, four_steps, tmp_path):
+    copy_run(four_steps, tmp_path)  # --steps=4 --save_every=1 --keep_checkpoints=3
     newest = sorted(tmp_path.glob('ckpt_*.pt'))[-1]
     corrupt = newest.read_bytes()[:1000]
     newest.write_bytes(corrupt)  # truncated, as by a full disk
@@ -177,12 +213,13 @@ def test_missing_loggers_are_named_before_any_training(tmp_path):
     assert (tmp_path / 'metrics.jsonl').read_text().startswith('{"step": 0')
 
 
-def test_group_size_one_warns(tmp_path):
+def test_group_size_one_warns(one_step, tmp_path):
     p = train(tmp_path, '--steps=1', '--group_size=1', '--kl_type=k1', '--kl_coef=0.1')
     assert 'warning: group_size=1: a group of one is its own baseline' in p.stderr
     assert 'warning: kl_type=k1 as a loss has zero gradient in expectation' in p.stderr
-    p = train(tmp_path / 'g2', '--steps=1')
+    p = one_step[1]  # --steps=1 with the default group_size 4 and kl_coef 0
     assert 'warning: group_size' not in p.stderr and 'warning: kl_type' not in p.stderr
+    copy_run(one_step[0], tmp_path / 'g2')
     p = train(tmp_path / 'g2', '--steps=0', '--resume=True', check=False)  # its checkpoint is at step 1
     assert p.returncode == 2 and p.stderr.strip().endswith('the newest checkpoint is at step 1, past steps=0')
 
@@ -260,10 +297,10 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
         assert 0 <= last[f'eval_em_k{k}'] <= 1 and last[f'eval_pt_k{k}'] <= last[f'eval_tt_k{k}']
 
 
-def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(tmp_path):
+def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path):
     """A fresh run in an out_dir that holds checkpoints stops with one line and keeps them (it used to
     delete them); --overwrite=True replaces them; the tiny vocabulary is saved in the checkpoint."""
-    train(tmp_path, '--steps=1', '--save_every=1')
+    copy_run(one_step[0], tmp_path)  # --steps=1 --save_every=1
     ckpts = {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')}
     p = train(tmp_path, '--steps=1', check=False)
     assert p.returncode == 2 and p.stderr.count('\n') == 1
@@ -366,13 +403,13 @@ def test_evaluation_rolls_out_a_bounded_number_of_episodes_at_once(monkeypatch):
     assert {k for k in batched} == {k for k in whole}
 
 
-def test_resume_adding_a_kl_term(tmp_path):
+def test_resume_adding_a_kl_term(warm_started, one_step, tmp_path):
     """From ckpt_000000 of a run without a KL term, --kl_coef>0 takes the loaded (warm-started) weights as
     the reference, as a fresh run would; from a later checkpoint it is one line (no reference saved)."""
-    train(tmp_path, '--steps=0', '--kl_coef=0')
+    copy_run(warm_started, tmp_path)  # --steps=0 with kl_coef 0 (the default)
     p = train(tmp_path, '--steps=1', '--kl_coef=0.1', '--resume=True')
     assert 'resumed from' in p.stdout and metrics(tmp_path)[-1]['kl'] == 0.0  # first step: policy == reference
-    p = train(tmp_path, '--steps=1', '--kl_coef=0', '--out_dir=' + str(tmp_path / 'b'))
+    copy_run(one_step[0], tmp_path / 'b')  # --steps=1 with kl_coef 0
     p = train(tmp_path / 'b', '--steps=2', '--kl_coef=0.1', '--resume=True', check=False)
     assert p.returncode == 2 and 'has no KL reference (its run had kl_coef 0)' in p.stderr
 
@@ -414,13 +451,12 @@ def test_format_metrics_count_malformed_turns_and_episodes():
 def test_warm_start_says_when_scripted_turns_are_cut(tmp_path):
     """A max_response_tokens below the scripted policy's turns would teach turns that never end: one warning."""
     args = ['config/tiny_mem.yaml', '--steps=0', '--warmstart_steps=1', '--warmstart_episodes=4', '--eval_tasks=2',
-            '--threads=1', '--n_embd=32']
+            '--train_tasks=20', '--threads=1', '--n_embd=32']
     env = dict(os.environ, HF_HUB_OFFLINE='1')
-    p = subprocess.run([sys.executable, 'train.py', *args, f'--out_dir={tmp_path / "a"}'], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = run_script('train.py', [*args, f'--out_dir={tmp_path / "a"}'], cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0 and 'warning' not in p.stderr, p.stderr[-2000:]
-    p = subprocess.run([sys.executable, 'train.py', *args, '--max_response_tokens=6', f'--out_dir={tmp_path / "b"}'],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run_script('train.py', [*args, '--max_response_tokens=6', f'--out_dir={tmp_path / "b"}'], cwd=ROOT, env=env,
+                   timeout=300)
     warned = [line for line in p.stderr.splitlines() if line.startswith('warning: warm start:')]
     assert p.returncode == 0 and len(warned) == 1 and 'scripted turns are cut at max_response_tokens=6' in warned[0]
 
