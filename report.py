@@ -391,14 +391,15 @@ def print_setup(cfg, gym_, model, seconds, processes):
 
 def log_step(cfg, log, gym_):
     """Append one line to out_dir/metrics.jsonl (step 0 starts the file) and mirror it to TensorBoard /
-    wandb; at an evaluation also print its line (print_eval) and redraw the curves."""
+    wandb; at an evaluation also print its line (print_eval) and, after step 0, redraw the curves."""
     path = os.path.join(cfg['out_dir'], METRICS)
     with open(path, 'w' if log['step'] == 0 else 'a') as f:
         f.write(json.dumps(log) + '\n')
     log_external(cfg, log, log['step'])
     if 'eval_success_rate' in log:
         print_eval(log, gym_)
-        plot_metrics(path, os.path.join(cfg['out_dir'], CURVES))
+        if log['step']:  # one point is no curve; finish_run draws them at the end anyway
+            plot_metrics(path, os.path.join(cfg['out_dir'], CURVES))
 
 
 def finish_run(cfg, hf_model, tok, wall_s):
