@@ -57,7 +57,8 @@ config = dict(
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
     oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
-    val_tasks=0,                 # gym memory: validation tasks (worlds of their own), evaluated after held-out (eval_val_*)
+    val_tasks=0,                 # gym memory, bugfix: validation tasks (their own worlds / functions), evaluated after
+                                 # held-out (eval_val_*); 0 = none
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)

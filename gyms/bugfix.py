@@ -35,7 +35,7 @@ from gyms.bugfix_code import (ACCS, EDIT_OPS, FN_NAMES, HELDOUT, INT_RANGE, LIST
                               read_observation, renamed_forms, run_cases, value_words)
 
 MODEL = 'tiny'
-KEYS = ('train_variants', 'train_generated')
+KEYS = ('train_variants', 'train_generated', 'val_tasks')
 TOOLS = ('read', 'edit', 'undo', 'test', 'submit')
 ALL_CALLS = ([f'<call> {t} </call>' for t in ('read', 'undo', 'test', 'submit')]
              + [f'<call> edit {op} </call>' for op in EDIT_OPS])
@@ -500,9 +500,9 @@ def setup(cfg, vocab=None):
     """Train tasks (train_variants per template, train_generated random functions), every held-out
     task (the first eval_tasks, 0 = all), the vocabulary of all their texts, exact baselines on the
     held-out tasks, and the warm start: the `warmstart` script, one seed drawn from rng per episode.
-    Also the optional val_tasks (gym.py's contract does not require it; train.py's evaluate logs
-    eval_val_*): the validation split, make_tasks('val') of VAL_FUNCTIONS functions none of these
-    training tasks has (the first eval_tasks of them too). Its texts do not join the vocabulary, so
+    With val_tasks > 0 also the validation split (gym.py's contract does not require it; train.py's
+    evaluate logs eval_val_*): make_tasks('val') of VAL_FUNCTIONS functions none of these training
+    tasks has, the first val_tasks (and eval_tasks) of them. Its texts do not join the vocabulary, so
     that adding the split changes no id and no number of a run: a task with a word outside it is
     dropped (none of config/tiny.yaml's 32 is, nor with train_generated 0)."""
     train_tasks = make_tasks('train', n_variants=cfg['train_variants'], n_generated=cfg['train_generated'])
@@ -510,8 +510,9 @@ def setup(cfg, vocab=None):
     tok = build_tokenizer(bugfix_texts(train_tasks + eval_tasks), vocab)
     eval_tasks = eval_tasks[:cfg['eval_tasks'] or len(eval_tasks)]
     val_tasks = [t for t in make_tasks('val', n_variants=1, n_generated=VAL_FUNCTIONS, exclude=train_tasks)
-                 if all(w in tok.stoi for text in bugfix_texts([t]) for w in text.replace('\n', ' <nl> ').split())]
-    val_tasks = val_tasks[:cfg['eval_tasks'] or len(val_tasks)]
+                 if all(w in tok.stoi for text in bugfix_texts([t]) for w in text.replace('\n', ' <nl> ').split())
+                 ] if cfg['val_tasks'] else []  # building it takes seconds: only when asked for
+    val_tasks = val_tasks[:min(cfg['eval_tasks'] or len(val_tasks), cfg['val_tasks'])]
 
     def warm_policy(rng):
         script = scripted_policy('warmstart', rng.randrange(1 << 30))

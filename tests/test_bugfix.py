@@ -127,7 +127,8 @@ def test_validation_split_is_neither_training_nor_heldout():
 
 def test_setup_returns_the_validation_split_without_changing_the_vocabulary():
     from config import load_config
-    cfg = load_config(['--gym=bugfix', '--train_variants=2', '--train_generated=10', '--eval_tasks=0', '--out_dir=unused'])
+    cfg = load_config(['--gym=bugfix', '--train_variants=2', '--train_generated=10', '--eval_tasks=0', '--val_tasks=32',
+                       '--out_dir=unused'])
     g = gym.load_gym(cfg)
     assert 'val_tasks' not in gym.SETUP_KEYS  # optional: a gym without one keeps the contract
     words = gym.build_tokenizer(bugfix.bugfix_texts(g['train_tasks'] + bugfix.make_tasks('heldout'))).itos
@@ -136,6 +137,7 @@ def test_setup_returns_the_validation_split_without_changing_the_vocabulary():
     for ep in episodes('tester', g['val_tasks'], [0]):  # every text it shows is in the vocabulary
         assert all(g['tok'].unk_id not in g['tok'].encode(x) for x in [ep['prompt']] + ep['actions'] + ep['observations'])
     assert len(gym.load_gym(dict(cfg, eval_tasks=3))['val_tasks']) == 3  # eval_tasks caps it as it caps held-out
+    assert len(gym.load_gym(dict(cfg, val_tasks=5))['val_tasks']) == 5 and gym.load_gym(dict(cfg, val_tasks=0))['val_tasks'] == []
 
 
 def test_tasks_deterministic_and_varied():
