@@ -69,7 +69,7 @@ def test_table_has_memory_quality_rl_time_and_learning_curve(tmp_path, capsys):
     assert 'RL phase (minutes in RL steps, evaluations excluded): mempo 2.0; grpo_fold 1.0' in out
     assert 'MemPO / grpo_fold RL time = 2.00x' in out and agg['mempo']['rl_min'] == (2.0, 0.0)
     assert 'held-out EM by RL step, mempo: 0: 0.000, 50: 0.575 ± 0.025' in out  # eval_em 0.55 and 0.6
-    # MemPO's per-step diagnosis (issue #16): correlation 0 and 0.5 over the seeds; 15 s of a 120 s step
+    # MemPO's per-step diagnosis: correlation 0 and 0.5 over the seeds; 15 s of a 120 s step
     assert ('mempo per RL step (mean over steps; ± over seeds): memory reward vs memory quality correlation '
             '0.250 ± 0.250; |memory advantage| on <mem> tokens 0.70 against |outcome advantage| 0.60; '
             "memory rewards' share of the step time 0.12") in out

@@ -22,11 +22,15 @@ CFG = dict(max_turns=8, max_len=256, max_response_tokens=24, keep_tool_results=1
 # the memory reward scores well-formed turns only
 
 
-def test_malformed_or_cut_turn_gets_no_memory_reward_and_leaves_the_pool():
+def memory_setup():
+    """The tiny memory format and an untrained TinyAgent (seed 0)."""
     tok = build_tokenizer(gm.memory_texts())
-    fmt = word_format(tok, memory=True)
     torch.manual_seed(0)
-    model = TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
+    return word_format(tok, memory=True), TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
+
+
+def test_malformed_or_cut_turn_gets_no_memory_reward_and_leaves_the_pool():
+    fmt, model = memory_setup()
     task = gm.make_tasks('train', 1, seed=7, n_objectives=(1, 1), hops=(2, 2))[0]
     oracle = gm.folded_policy(gm.oracle_policy)
     bad = 'pia kastel located in </mem> bo <search> kastel located in </search>'  # text between the tags
@@ -91,10 +95,7 @@ def test_a_format_character_between_a_letter_and_its_accent_still_composes():
 
 def test_found_target_scores_only_the_answers_found_before_the_turn():
     from advantage import answer_pieces
-    tok = build_tokenizer(gm.memory_texts())
-    fmt = word_format(tok, memory=True)
-    torch.manual_seed(0)
-    model = TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
+    fmt, model = memory_setup()
     task = gm.make_tasks('train', 1, seed=3, n_objectives=(2, 2), hops=(2, 2))[0]
     gold = gm.answer_text(task)
     ids, score = answer_pieces(fmt, gold, 1)

@@ -351,7 +351,7 @@ def test_policies_without_task_act_on_observations_alone():
 
 
 # -----------------------------------------------------------------------------
-# turns cut at max_response_tokens (rollout's finish='length'; issue #13 case 7)
+# turns cut at max_response_tokens (rollout's finish='length')
 
 
 def test_cut_turn_is_a_malformed_call_whatever_its_text():

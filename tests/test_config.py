@@ -168,7 +168,7 @@ def test_help_prints_usage_and_keys():
 
 
 def test_max_len_too_short_for_the_prompts_exits_2_with_one_line(tmp_path):
-    # issue #13 case 8: no HotpotQA prompt (25-70 tokens with the forced '<mem>\n') leaves room for a
+    # no HotpotQA prompt (25-70 tokens with the forced '<mem>\n') leaves room for a
     # 16-token turn in 32; this used to be a traceback from collate at the first step
     p = run_train('--gym=searchqa', '--model=tiny-qwen3', '--max_len=32', '--max_response_tokens=16',
                   f'--out_dir={tmp_path / "out"}')

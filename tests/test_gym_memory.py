@@ -42,20 +42,20 @@ def test_empty_answer_never_matches():
 
 
 def test_article_only_answers_keep_their_text():
-    # dropping the articles emptied these, so they could never score (issue #13, case 1)
+    # dropping the articles emptied these, so they could never score
     assert (answers.em("A", "A"), answers.f1("A", "A"), answers.em("a.", "A")) == (1.0, 1.0, 1.0)
     assert answers.normalize_answer("The") == "the" and answers.em("the", "a") == 0.0
     assert answers.em("the Beatles", "Beatles") == 1.0  # articles beside other words are still dropped
 
 
 def test_case_folding_not_lower_casing():
-    # str.lower keeps "ß" (issue #13, case 2)
+    # str.lower keeps "ß"
     assert answers.em("STRASSE", "Stra\u00dfe") == 1.0 and answers.em("WEISS", "wei\u00df") == 1.0
     assert answers.em("\u00c9cole", "e\u0301cole") == 1.0  # NFKC composes the accent first
 
 
 def test_numbers_keep_their_identity():
-    # SQuAD's normaliser deletes "." and "-", so 10.8 == 108 and -5 == 5 (issue #13, case 3)
+    # SQuAD's normaliser deletes "." and "-", so 10.8 == 108 and -5 == 5
     for pred, gold, em, f1 in [("108", "10.8", 0, 0), ("195 m", "1.95 m", 0, 0.5),
                                ("$105 million", "$10.5 million", 0, 0.5), ("3.14", "314", 0, 0),
                                ("5", "-5", 0, 0), ("\u22125", "-5", 1, 1), ("\u20135", "-5", 1, 1),
@@ -293,7 +293,7 @@ def test_answer_text_format():
 
 
 # -----------------------------------------------------------------------------
-# turns cut at max_response_tokens (rollout's finish='length'; issue #13 case 7)
+# turns cut at max_response_tokens (rollout's finish='length')
 
 
 def test_cut_turn_is_malformed_whatever_its_text():
@@ -339,7 +339,7 @@ def test_finish_length_steps_exactly_as_the_unterminated_text_did(turns):
 
 
 # -----------------------------------------------------------------------------
-# memory quality and the lossy oracle (issue #16)
+# memory quality and the lossy oracle
 
 
 def _world_task():

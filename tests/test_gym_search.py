@@ -43,7 +43,7 @@ MINI = ['Malcolm X: Malcolm X was an American Muslim minister and human rights a
 
 
 def test_one_character_words_are_searchable():
-    # bm25s's default token pattern \w\w+ dropped 'X' and '9' from queries and passages (issue #13, case 4)
+    # bm25s's default token pattern \w\w+ dropped 'X' and '9' from queries and passages
     index = gs.SearchIndex(MINI)
     top = lambda q: [doc.split(': ', 1)[0] for doc, _ in index.search(q, 3)]
     assert top('Malcolm X')[0] == 'Malcolm X' and top('Plan 9')[0] == 'Plan 9 from Outer Space'
@@ -247,7 +247,7 @@ def test_step_never_raises(task):
 
 
 def test_cut_turn_is_malformed_whatever_its_text(task):
-    # issue #13 case 7: a turn cut at max_response_tokens (finish='length') may end on </search> or
+    # a turn cut at max_response_tokens (finish='length') may end on </search> or
     # </answer> and still be unfinished; it must not search, answer or pass the format check
     env = gs.SearchQAEnv()
     env.reset(task)

@@ -249,7 +249,7 @@ def qwen():
 
 @pytest.mark.parametrize("budget", [13, 15])
 def test_turn_cut_at_max_response_tokens_is_not_run(qwen, budget):
-    # issue #13 case 7: the read call is 15 Qwen tokens with its <|im_end|>; cut at 13 it has neither
+    # the read call is 15 Qwen tokens with its <|im_end|>; cut at 13 it has neither
     # </tool_call> nor a stop token, yet parse_tool_call tolerates the missing tag and read ran
     from hf import chat_format
     from rollout import rollout_batch

@@ -316,8 +316,8 @@ def test_folded_searchqa_context_is_prompt_last_mem_span_last_observation(tok):
 
 
 def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn_qwen3(tok, model, monkeypatch):
-    """issue #16 with the real Qwen3 template: P_full of every turn from one cached history forward per
-    episode, P_mem from padded rows, both as a plain forward of each context alone would give them."""
+    """MemPO's memory rewards with the real Qwen3 template: P_full of every turn from one cached history
+    forward per episode, P_mem from padded rows, both as a plain forward of each context alone gives them."""
     tasks = gs.make_tasks('train', 0, n_objectives=2)[:3]
     envs = [gs.SearchQAEnv(tok, max_turns=6, max_obs_tokens=48, require_think=False) for _ in tasks]
     cfg = dict(CFG, max_turns=6, max_response_tokens=96, keep_tool_results=1, max_tokens_per_microbatch=3000)

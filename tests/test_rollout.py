@@ -214,7 +214,7 @@ def one_at_a_time_answer_probs(model, trajs, fmt, answers, cfg):
 
 @pytest.mark.parametrize('budget', [16384, 300])  # 300: a history or two per micro-batch
 def test_memory_rewards_on_shared_histories_equal_one_forward_per_turn(mem_setup, budget, monkeypatch):
-    # issue #16: one history forward per episode (KV cache) gives each turn's P_full as its own forward would
+    # one history forward per episode (KV cache) gives each turn's P_full as its own forward would
     tok, _, fmt = mem_setup
     torch.manual_seed(0)
     model = TinyAgent(tok.vocab_size, 2, 4, 64, 256).eval()
@@ -257,7 +257,7 @@ class FinishEnv(CountEnv):
 
 
 def test_finish_reason_of_sampled_and_scripted_turns_reaches_the_env():
-    # issue #13 case 7: a turn without its stop token (cut at max_response_tokens) must reach the env as 'length'
+    # a turn without its stop token (cut at max_response_tokens) must reach the env as 'length'
     tok = count_tok()
     fmt = word_format(tok)
     torch.manual_seed(1)
@@ -277,7 +277,7 @@ def test_finish_reason_of_sampled_and_scripted_turns_reaches_the_env():
 
 
 def test_prompts_that_leave_no_room_for_a_turn_fail_at_setup():
-    # issue #13 case 8: `task N` is 3 tokens with <bos>; a turn needs max_response_tokens more
+    # `task N` is 3 tokens with <bos>; a turn needs max_response_tokens more
     from gym import check_prompts_fit
     gym_ = dict(fmt=word_format(count_tok()), make_env=CountEnv, train_tasks=[0, 7], eval_tasks=[12])
     assert check_prompts_fit(gym_, dict(max_len=10, max_response_tokens=7)) == 3

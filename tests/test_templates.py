@@ -1,4 +1,4 @@
-"""Template-driven turns (issue #17): hf reads the assistant header, the end-of-turn token and the role
+"""Template-driven turns: hf reads the assistant header, the end-of-turn token and the role
 headers from the model's own chat template. ChatML (Qwen3, SmolLM2) keeps its old constants; a
 Llama-3-style template (<|start_header_id|>role<|end_header_id|>\\n\\n ... <|eot_id|>) on the real
 Qwen vocabulary with Llama 3's four tokens added works turn by turn, through a memory-gym episode.

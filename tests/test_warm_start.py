@@ -1,4 +1,4 @@
-"""The warm start of a chat model (issue #15): the memory gym through the real Qwen tokenizer and its
+"""The warm start of a chat model: the memory gym through the real Qwen tokenizer and its
 chat template, a tiny random Qwen3. The scripted oracle's episodes are built by the rollout itself,
 so the warm start trains exactly the tokens, the rows and the masks RL would."""
 import copy
