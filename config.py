@@ -52,7 +52,7 @@ config = dict(
     prompt_style='train',        # gym searchqa: 'train' (bare question) | 'eval' (format instructions)
     max_obs_tokens=400,          # gym searchqa: tokens of search results per observation
     answer_reward='em',          # gym searchqa, memory: 'em' (objectives answered exactly, MemPO's) | 'f1' (their
-                                 # token F1 summed) | 'all' (k points only when all k are right; gym.answer_reward)
+                                 # token F1 summed) | 'all' (k points only when all k are right; gyms/answers.py)
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)

@@ -2,7 +2,7 @@
 The memory gym: MemPO where memory must be learned, for the tiny model (its own word vocabulary) or
 any chat model (the same worlds and texts through the model's chat template, SYSTEM_PROMPT saying
 the turn format). Answer scoring (EM/F1 of "a1 ; a2" answers) and the
-turn format (validate_format) are gym.py's, shared with the real-model gyms.
+turn format (validate_format) are gyms/answers.py's, shared with the search gym.
 
 Contents, top to bottom:
 - worlds and tasks: make_tasks (each task draws its own random world of facts), answer_text
@@ -207,7 +207,7 @@ class MemoryEnv:
     e.g. 'moonfall directed by </mem> <search> moonfall directed by </search>'.
     - well-formed search: observation = the fact sentence ('moonfall directed by ada') or 'no result'
     - well-formed answer: ends the episode; reward = em_count (0..k; answer_reward='all': k only when
-      every objective is right, gym.answer_reward) if the WHOLE episode passes validate_format, else 0.0
+      every objective is right, answers.answer_reward) if the WHOLE episode passes validate_format, else 0.0
     - malformed turn: observation 'error : bad format', counted in n_invalid; the episode goes on
       but its final reward will be 0 (the format check covers every turn). A turn cut at the
       response limit (finish='length') is malformed whatever its text (its text fails the format

@@ -230,7 +230,7 @@ def format_results(hits):
 
 
 def _action(text, require_think):
-    """'answer', 'search' or None for one full turn text, with gym.validate_format's rules: a valid answer
+    """'answer', 'search' or None for one full turn text, with answers.validate_format's rules: a valid answer
     turn passes validate_format alone; a valid search turn passes when an answer turn follows."""
     if validate_format([text], require_think)[0]:
         return 'answer'
@@ -253,7 +253,7 @@ class SearchQAEnv:
     - a well-formed search turn: obs = top_k BM25 passages ('[1] title: text', ...), cut to
       max_obs_tokens tokens of `tokenizer` (words if None); plain text, not yet <tool_response>.
     - a well-formed answer turn ends the episode: reward = number of objectives answered exactly
-      (EM after normalisation; other answer_reward: gym.answer_reward), when
+      (EM after normalisation; other answer_reward: answers.answer_reward), when
       the whole episode passes validate_format and, with require_search, searched at least once;
       else 0. info has em, f1, em_count, k, format_ok, format_reason, answer, n_search,
       stop='answer', success (all objectives exactly right, whichever the reward).
