@@ -22,7 +22,9 @@ per-run numbers to OUT/ablation.json. The lossy set-up, where memory has to be l
 `python ablate.py --seeds=1,2,3,4,5 --jobs=2 --oracle_forget=0.5 --out=out/ablate_lossy`. A run whose config.json matches and whose metrics already hold the final step is
 not run again (--rerun forces it); a run with other options runs again in the same out_dir.
 
-Flags of this script: --main --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run.
+Flags of this script: --main --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run
+--variants=mempo,grpo_fold,grpo_full (any of VARIANTS, e.g. mempo_turn, mempo_found) --val (the table from the
+validation split, eval_val_*: choose there, report held-out).
 k = 5 is one objective more than training draws (the memory gym trains on 1-4).
 
 --main: one variant, `main` (the config file as it is; --config defaults to config/tiny.yaml, --out
@@ -49,10 +51,15 @@ from report import read_metrics
 from config import config as config_defaults, fail, load_config, parse_options
 from gym import gym_module
 
-VARIANTS = {  # name -> overrides on top of the config file
+VARIANTS = {  # name -> overrides on top of the config file; --variants picks some (default: the first three)
     'mempo': [],
     'grpo_fold': ['--mem_coef=0'],
     'grpo_full': ['--keep_tool_results=all', '--mem_coef=0'],
+    'mempo_turn': ['--mem_pool=turn'],  # the memory-credit options (docs/GUIDE.md, MemPO in full)
+    'mempo_nostd': ['--mem_std=false'],
+    'mempo_success': ['--mem_success_only=true'],
+    'mempo_found': ['--mem_target=found'],
+    'mempo_turn_found': ['--mem_pool=turn', '--mem_target=found'],
 }
 MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
@@ -69,8 +76,11 @@ WALL = 'ablate_wall.json'  # in a run's out_dir: its wall time as ablate measure
 def parse_args(argv):
     """Split argv into this script's options (dict) and the --key=value list passed to train.py."""
     opts = dict(main=False, quick=False, seeds='1,2,3', out='out/ablate', config='config/tiny_mem.yaml', ks='1,2,4,5',
-                rerun=False, dry_run=False, jobs='1')
+                rerun=False, dry_run=False, jobs='1', variants='mempo,grpo_fold,grpo_full', val=False)
     opts, passthrough = parse_options(argv, opts)
+    opts['variants'] = opts['variants'].split(',')
+    if not set(opts['variants']) <= set(VARIANTS):
+        fail(f"--variants={','.join(opts['variants'])}: choose from {', '.join(VARIANTS)}")
     given = lambda key: any(a.startswith(f'--{key}=') for a in argv)
     if opts['quick'] and not given('seeds'):
         opts['seeds'] = '1'
@@ -183,10 +193,10 @@ def mean_se(xs):
     return m, s / math.sqrt(len(xs) - 1) if len(xs) > 1 else math.nan
 
 
-def k_columns(ks):
-    """The MemPO table's numbers: {f'{metric}_k{k}': f'eval_{metric}_k{k}'} for every k and METRICS,
-    and the RL phase's minutes (rl_min)."""
-    return dict({f'{m}_k{k}': f'eval_{m}_k{k}' for k in ks for m in METRICS}, rl_min='rl_min',
+def k_columns(ks, prefix='eval_'):
+    """The MemPO table's numbers: {f'{metric}_k{k}': f'{prefix}{metric}_k{k}'} for every k and METRICS
+    (prefix 'eval_val_': the validation split's), and the RL phase's minutes (rl_min)."""
+    return dict({f'{m}_k{k}': f'{prefix}{m}_k{k}' for k in ks for m in METRICS}, rl_min='rl_min',
                 mem_reward_share='mem_reward_share', **{k: k for k in DIAGNOSIS})
 
 
@@ -302,7 +312,7 @@ def main(argv):
         return None
     opts, passthrough = parse_args(argv)
     extra = (QUICK if opts['quick'] else []) + passthrough
-    variants = MAIN_VARIANTS if opts['main'] else VARIANTS
+    variants = MAIN_VARIANTS if opts['main'] else {v: VARIANTS[v] for v in opts['variants']}
     runs = [(variant, seed) for seed in opts['seeds'] for variant in variants]  # seed by seed: a stopped ablation leaves whole seeds
     todo = []
     for variant, seed in runs:
@@ -328,7 +338,7 @@ def main(argv):
         agg = aggregate(results, MAIN_COLUMNS, mean_se)
         table = main_table(agg, opts['config'])
     else:
-        agg = aggregate(results, k_columns(opts['ks']), mean_se)
+        agg = aggregate(results, k_columns(opts['ks'], 'eval_val_' if opts['val'] else 'eval_'), mean_se)
         table = '\n'.join([markdown_table(agg, opts['ks'], curves(results)), ''] + paired_lines(results, opts['ks']))
     print(table)
     os.makedirs(opts['out'], exist_ok=True)

@@ -113,6 +113,16 @@ def test_dry_run_prints_one_command_per_variant_and_seed(tmp_path, capsys):
     assert sum('--keep_tool_results=all' in c for c in cmds) == 2 and sum('--mem_coef=0' in c for c in cmds) == 4
 
 
+def test_named_variants_run_their_memory_credit_options(tmp_path, capsys):
+    ablate.main([f'--out={tmp_path}', '--seeds=11', '--dry_run', '--variants=mempo,mempo_turn_found,mempo_nostd'])
+    cmds = capsys.readouterr().out.strip().splitlines()
+    assert len(cmds) == 3 and '--mem_pool' not in cmds[0]
+    assert '--mem_pool=turn --mem_target=found' in cmds[1] and '/mempo_turn_found_s11' in cmds[1] and '--mem_std=false' in cmds[2]
+    assert ablate.k_columns([4], 'eval_val_')['em_k4'] == 'eval_val_em_k4'  # --val: the table from validation
+    with pytest.raises(SystemExit):
+        ablate.parse_args(['--variants=mempo,nope'])
+
+
 def test_jobs_runs_every_unfinished_run_once_seed_by_seed(tmp_path, monkeypatch, capsys):
     _write_run(tmp_path, 'grpo_fold', 1, 0.75, 62.0)  # finished: not started again
     started = []
