@@ -15,7 +15,6 @@ import contextlib
 import copy
 import importlib.metadata
 import inspect
-import math
 from pathlib import Path
 from types import SimpleNamespace
 

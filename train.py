@@ -16,7 +16,6 @@ Simplifications, on purpose:
 3. The warm start is plain cross-entropy on the policy tokens of scripted episodes.
 """
 
-import copy
 import math
 import os
 import random

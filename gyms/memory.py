@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import hf
 from gym import build_tokenizer, word_format
 from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, extract_answer, extract_mem, extract_tag,
-                          score_episode, strip_end_marker, validate_format)
+                          score_episode, strip_end_marker)
 
 MODEL = 'any'
 KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target')
