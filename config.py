@@ -68,6 +68,8 @@ config = dict(
     warmstart_steps=200,
     warmstart_lr=3e-3,
     warmstart_batch_size=32,     # episodes per step, with all their rows (folding: one row per turn)
+    warmstart_full=False,        # folding: each scripted episode also trains as one row with its full history
+                                 # (the context MemPO's P_full reads; advantage.memory_rewards)
     # RL
     steps=100,                   # RL steps; 0: the warm start and the step-0 evaluation only
     batch_size=8,                # tasks per step

@@ -183,6 +183,17 @@ def training_rows(ep):
     return out
 
 
+def full_history_row(traj, max_len):
+    """A folded episode's tokens as one training row with the whole un-folded history (the row that
+    keep_tool_results='all' would have built for the same turns), cut to its first max_len tokens.
+    Trained turns' policy tokens are in its action_mask, scripted mistakes (train=False) are not.
+    For the warm start (warmstart_full): MemPO's P_full reads this history (advantage.memory_rewards)."""
+    trained = torch.tensor([t['train'] for t in traj.turns] + [False])  # turn -1 (the prompt) reads the last entry
+    n = min(len(traj.ids), max_len)
+    return dict(ids=traj.ids[:n], owner=traj.owner[:n], action_mask=(traj.action_mask * trained[traj.turn[1:]])[:n - 1],
+                sample_logp=traj.sample_logp[:n - 1], turn_ids=traj.turn[1:n], mem_mask=traj.mem_mask[:n - 1])
+
+
 def make_trajectory(ep):
     """Freeze an Episode: tensors shifted to ids[1:] in one place, so masks cannot drift by one."""
     h = ep.hist

@@ -30,7 +30,7 @@ from config import all_reduce, check_run, config, fail, gather, init_distributed
 from gym import GymContractError, OutOfVocabulary, load_gym
 from model import (autocast, batch_log_probs, fold_lora, is_reference, load_policy, merged, micro_batches, reference_log_probs,
                    reference_of, sequence_log_probs, update_mode)
-from rollout import collate, episode_rows, run_tasks
+from rollout import collate, episode_rows, full_history_row, run_tasks
 
 # -----------------------------------------------------------------------------
 # the loss: one short function a forker replaces (README, "Swap the loss")
@@ -256,7 +256,8 @@ def warm_start_loss(model, batch, idx, cfg):
 
 def warm_start(model, gym_, cfg, rng):
     """Cross-entropy on the policy tokens of scripted episodes, rolled out by the same code as RL.
-    A step draws warmstart_batch_size episodes with all their rows (folded or not, the same turns).
+    A step draws warmstart_batch_size episodes with all their rows (folded or not, the same turns;
+    warmstart_full adds each folded episode's full-history row).
     Returns the mean loss of the last 10 steps (nats per policy token), or None without one."""
     n = cfg['warmstart_episodes']
     if n == 0 or cfg['warmstart_steps'] == 0 or gym_['warm_policy'] is None:
@@ -270,6 +271,8 @@ def warm_start(model, gym_, cfg, rng):
         print(f"warning: warm start: {cut} of {sum(len(t.turns) for t in trajs)} scripted turns are cut at max_response_"
               f"tokens={cfg['max_response_tokens']}; raise it so the warm start imitates whole turns", file=sys.stderr)
     trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
+    for t in trajs if cfg['warmstart_full'] and cfg['keep_tool_results'] != 'all' else []:
+        t.rows.append(full_history_row(t, cfg['max_len']))  # also read the un-folded history (MemPO's P_full)
     batch, n = collate(trajs, gym_['fmt'].pad_id), len(trajs)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()

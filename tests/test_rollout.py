@@ -125,6 +125,29 @@ def test_generate_temperature_logp_is_the_tempered_distribution():
         assert (untempered - torch.tensor(lp)).abs().max() > 1e-3  # temperature really changes the log-probs
 
 
+def test_full_history_row_of_a_folded_episode_is_the_row_full_history_builds(mem_setup):
+    """warmstart_full: the extra row of a folded scripted episode is exactly the single row the same
+    turns build with keep_tool_results='all'; a scripted mistake (train=False) stays out of its mask,
+    and max_len cuts it to a prefix."""
+    _, _, fmt = mem_setup
+    tasks = gm.make_tasks('train', 3, seed=5, n_objectives=(2, 2), hops=(3, 3))
+    def play(keep):  # the detour draws from its own seed, so both renderings make the same mistake
+        policies = [gm.folded_policy(gm.with_detour(random.Random(i), 1.0, gm.oracle_policy)) for i in range(3)]
+        return rollout_batch(policies, fmt, [gm.MemoryEnv() for _ in tasks], tasks, dict(CFG, keep_tool_results=keep))
+    for folded, full in zip(play(1), play('all')):
+        assert len(folded.rows) == len(folded.turns) > 1 and len(full.rows) == 1
+        assert [u['train'] for u in folded.turns].count(False) == 1  # the detour
+        row, want = rollout.full_history_row(folded, 10_000), full.rows[0]
+        for key in ('ids', 'action_mask', 'turn_ids', 'mem_mask'):
+            assert torch.equal(row[key], want[key]), key
+        wrong = [k for k, u in enumerate(folded.turns) if not u['train']][0]
+        assert (row['action_mask'][row['turn_ids'] == wrong] == 0).all()
+        assert row['action_mask'].sum() == sum(len(u['response']) for u in folded.turns if u['train'])
+        cut = rollout.full_history_row(folded, 40)
+        assert len(cut['ids']) == 40 and all(len(cut[k]) == 39 for k in ('action_mask', 'sample_logp', 'turn_ids', 'mem_mask'))
+        assert torch.equal(cut['action_mask'], row['action_mask'][:39])
+
+
 def test_turn3_context_is_prompt_last_mem_last_obs_prefix(mem_setup):
     tok, _, fmt = mem_setup
     task = gm.make_tasks('train', 1, seed=5, n_objectives=(1, 1), hops=(3, 3))[0]

@@ -244,9 +244,9 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
     assert T.episode_rows(torch.tensor([0, 0, 1, 2, 2, 2]), 4) == [[0, 1], [2], [3, 4, 5], []]
     real, rows = T.sequence_log_probs, []
     monkeypatch.setattr(T, 'sequence_log_probs', lambda m, ids, am, **kw: rows.append(ids.shape[0]) or real(m, ids, am, **kw))
-    for keep in (1, 'all'):
+    for keep, full in ((1, False), ('all', False), (1, True), ('all', True)):
         rows.clear()
-        cfg = T.load_config(['config/tiny_mem.yaml', f'--keep_tool_results={keep}', '--warmstart_episodes=6',
+        cfg = T.load_config(['config/tiny_mem.yaml', f'--keep_tool_results={keep}', '--warmstart_episodes=6', f'--warmstart_full={full}',
                              '--train_tasks=50', '--warmstart_steps=4', '--warmstart_batch_size=3', '--device=cpu'])
         g = load_gym(cfg)
         assert T.warm_start(T.load_policy(cfg, g['tok'].vocab_size), g, cfg, random.Random(0)) > 0
@@ -254,7 +254,8 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
         tasks = [rng.choice(g['train_tasks']) for _ in range(6)]
         turns = [sum(t.hops) + 1 for t in tasks]  # the oracle searches once per hop, then answers
         want = [sum(turns[rng.randrange(6)] for _ in range(3)) for _ in range(4)]
-        assert rows == (want if keep == 1 else [3] * 4)
+        # warmstart_full: a folded episode also trains as one full-history row (a no-op without folding)
+        assert rows == ([w + 3 * full for w in want] if keep == 1 else [3] * 4)
 
 
 def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
