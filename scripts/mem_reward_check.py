@@ -8,6 +8,7 @@ more objectives, once with complete memories and once with lossy ones (every fin
 last forgotten): does the reward tell them apart? The lossy set-up's diagnosis, on training tasks only.
 
     python scripts/mem_reward_check.py out/ablate_lossy/mempo_s1 out/ablate_lossy/grpo_fold_s1
+    python scripts/mem_reward_check.py out/tiny_mem --mem_target=found   # --key=value: score as that option would
 """
 import os
 import random
@@ -54,13 +55,14 @@ def probe(model, gym_, cfg, trajs):
                 corr_mem=pearson(pm, q), corr_full=pearson(pf, q), corr_reward=pearson(r.tolist(), q))
 
 
-def check(out_dir, n_tasks=64):
+def check(out_dir, overrides=(), n_tasks=64):
     """probe() of one sampled episode on each of n_tasks training tasks (seeded) by the newest checkpoint
-    in out_dir, with its step. Exits 2 with one line without a checkpoint or for another gym's run."""
+    in out_dir, with its step; overrides (--key=value) change the run's config (e.g. the memory reward's
+    options). Exits 2 with one line without a checkpoint or for another gym's run."""
     state, path = report.load_latest_checkpoint(out_dir, 'name another run')
     if state is None:
         fail(f'no checkpoint in {out_dir}')
-    cfg = load_config([], dict(config, **state['config']))
+    cfg = load_config(list(overrides), dict(config, **state['config']))
     if cfg['gym'] != 'memory':
         fail(f"{out_dir} is a {cfg['gym']!r} run; memory quality is defined by the memory gym")
     cfg['device'] = 'cpu'
@@ -87,8 +89,9 @@ if __name__ == '__main__':
         print(__doc__.strip())
         sys.exit(0 if sys.argv[1:] else 2)
     torch.set_num_threads(1)
-    for out_dir in sys.argv[1:]:
-        r = check(out_dir)
+    overrides = [a for a in sys.argv[1:] if a.startswith('--')]
+    for out_dir in [a for a in sys.argv[1:] if not a.startswith('--')]:
+        r = check(out_dir, overrides)
         if r['turns']:
             print(f"{out_dir} (step {r['step']}): sampled, {r['turns']} turns, {r['lossy']} with quality < 1; mean "
                   f"P_mem {r['P_mem']:.3f}, P_full {r['P_full']:.3f}, reward std {r['reward_std']:.3f}; correlation with quality: P_mem "
@@ -99,3 +102,7 @@ if __name__ == '__main__':
             o = r[f'oracle_{name}']
             print(f"  oracle, {name} memories: {o['turns']} turns, mean P_mem {o['P_mem']:.3f}, P_full {o['P_full']:.3f}, "
                   f"P_mem - P_full {o['P_mem'] - o['P_full']:+.3f}" if o['turns'] else f"  oracle, {name} memories: no scored turn")
+        c, lo = r['oracle_complete'], r['oracle_lossy']
+        if c['turns'] and lo['turns'] and r['turns']:  # the issue's test: a gap larger than the reward's spread
+            gap = (c['P_mem'] - c['P_full']) - (lo['P_mem'] - lo['P_full'])
+            print(f"  complete - lossy: {gap:+.3f}, {gap / max(r['reward_std'], 1e-12):+.2f} x the reward's std over sampled turns")

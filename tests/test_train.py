@@ -281,6 +281,8 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     r = check.check(str(tmp_path), n_tasks=4)
     assert r['step'] == 2 and r['turns'] == 0  # a 3-step warm start finds no fact
     assert r['oracle_complete']['lossy'] == 0 < r['oracle_lossy']['lossy']  # scripted episodes: quality is defined
+    found = check.check(str(tmp_path), ['--mem_target=found'], n_tasks=4)  # an override scores as that option would:
+    assert 0 < found['oracle_complete']['turns'] < r['oracle_complete']['turns']  # turns with nothing found yet drop out
     cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=40', '--eval_tasks=4', '--device=cpu', '--n_embd=32'])
     gym_ = load_gym(cfg, None, config)
     model = load_policy(cfg, gym_['tok'].vocab_size).eval()
