@@ -245,13 +245,18 @@ def evaluate(model, gym_, cfg, step):
 
 def warm_start_loss(model, batch, idx, cfg):
     """Mean negative log-likelihood (nats per policy token) of the policy tokens of rows idx [n] of a
-    collated batch. Every position is projected (only the policy tokens would round differently)."""
-    L = int(batch['attention_mask'][idx].sum(1).max())
-    am = batch['action_mask'][idx, :L - 1].to(cfg['device'])
-    with autocast(cfg):
-        logp = sequence_log_probs(model, batch['ids'][idx, :L].to(cfg['device']),
-                                  batch['attention_mask'][idx, :L].to(cfg['device']))
-    return -(logp * am).sum() / am.sum().clamp(min=1)
+    collated batch. Every position is projected (only the policy tokens would round differently). Rows
+    run in micro-batches of similar length (max_tokens_per_microbatch), each in idx's order, so a long
+    full-history row (warmstart_full) does not pad the short folded ones."""
+    lengths = batch['attention_mask'][idx].sum(1).tolist()
+    nll = 0.0
+    for part in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
+        rows, L = idx[sorted(part)], max(lengths[i] for i in part)
+        with autocast(cfg):
+            logp = sequence_log_probs(model, batch['ids'][rows, :L].to(cfg['device']),
+                                      batch['attention_mask'][rows, :L].to(cfg['device']))
+        nll = nll - (logp * batch['action_mask'][rows, :L - 1].to(cfg['device'])).sum()
+    return nll / batch['action_mask'][idx].sum().clamp(min=1).to(cfg['device'])
 
 
 def warm_start(model, gym_, cfg, rng):
