@@ -170,6 +170,7 @@ def memory_probs(model, trajs, fmt, answers, cfg):
     turn k); see memory_rewards for the two contexts. For diagnosis (scripts/mem_reward_check.py)
     and for memory_rewards."""
     hists, full, short, where = [t.ids.tolist() for t in trajs], [], [], []
+    with_full = cfg.get('mem_baseline', 'full') == 'full'  # 'none': P_mem alone, P_full reported as 0
     for n, t in enumerate(trajs):
         if cfg.get('mem_success_only') and not t.info.get('success'):
             continue  # InfoMem: an answer-likelihood reward is credit only where the episode succeeded
@@ -188,14 +189,15 @@ def memory_probs(model, trajs, fmt, answers, cfg):
                 ans_ids, ans_mask = answer_pieces(fmt, answers[n], n_found)
             start = turn.index(k)  # turn k's forced prefix, then its response
             end = start + len(fmt.turn_prefix) + mem_len  # the history through turn k's </mem>
-            if end + len(ans_ids) > cfg['max_len']:
+            if end + len(ans_ids) > cfg['max_len'] and with_full:
                 continue
             full.append((n, end, ans_ids, ans_mask))
             short.append((hists[n][:t.prompt_len] + hists[n][start:end], ans_ids, ans_mask))
             where.append((n, k))
     if not where:
         return where, torch.zeros(0), torch.zeros(0)
-    return where, full_answer_probs(model, hists, full, fmt, cfg), answer_probs(model, short, fmt, cfg)
+    p_full = full_answer_probs(model, hists, full, fmt, cfg) if with_full else torch.zeros(len(where))
+    return where, p_full, answer_probs(model, short, fmt, cfg)
 
 
 @torch.no_grad()
@@ -206,6 +208,10 @@ def memory_rewards(model, trajs, fmt, answers, cfg):
       P_mem_t:  context = the prompt, then turn t's <mem> span.
     Both end with the same memory span, so the answer sits where the policy would write it, and the
     difference is what the dropped history still knew that the memory did not carry. No gradient.
+    mem_baseline 'none': mem_reward_t = P_mem_t (the pool's mean in memory_advantage is the baseline;
+    no full-history pass, no max_len limit). A policy that reads full histories (warmstart_full)
+    copies its answer from the memory span that ends both contexts, so P_full follows P_mem and the
+    difference can anti-correlate with memory quality (docs/RESULTS.md).
     Every P_full context is a prefix of its episode's history (turn t's <mem> follows its forced
     prefix there), so each history is run once and the answers of all its turns are scored on its
     KV cache (full_answer_probs); the P_mem contexts are short and run as plain rows (answer_probs).

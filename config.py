@@ -91,6 +91,8 @@ config = dict(
     mem_std=True,                # divide the memory reward by its pool's std (False: centred only)
     mem_success_only=False,      # score memories of successful episodes only (InfoMem)
     mem_target='answer',         # gym memory: P scores the whole gold 'answer' | the answers 'found' by that turn
+    mem_baseline='full',         # the memory reward is P_mem - P_full ('full', MemPO's) | P_mem alone ('none': the
+                                 # pool's mean is the baseline; no full-history pass)
     tis_cap=0.0,                 # > 0: old log-probs recomputed by the trainer, and each token's policy-gradient term
                                  # weighted by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling)
     oversample=1.0,              # > 1: roll out batch_size x oversample groups, keep batch_size, those with signal first
@@ -246,7 +248,7 @@ RANGES = dict(
     oversample=(1, None),
     seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
 )
-CHOICES = dict(mem_pool=('group', 'turn'), mem_target=('answer', 'found'), kl_type=('k1', 'k2', 'k3'), loss_agg=('token-mean', 'seq-mean', 'drgrpo'), dtype=('float32', 'bfloat16', 'auto'))
+CHOICES = dict(mem_pool=('group', 'turn'), mem_target=('answer', 'found'), mem_baseline=('full', 'none'), kl_type=('k1', 'k2', 'k3'), loss_agg=('token-mean', 'seq-mean', 'drgrpo'), dtype=('float32', 'bfloat16', 'auto'))
 
 
 def check_values(cfg, defaults=config):

@@ -109,3 +109,20 @@ def test_found_target_scores_only_the_answers_found_before_the_turn():
     assert kept == [w and n > 0 for w, n in zip(whole, found)] and any(kept) and kept != whole
     t.info['success'] = False
     assert not memory_rewards(model, [t], fmt, [gold], dict(CFG, mem_success_only=True))[1].any()
+
+
+def test_no_baseline_rewards_p_mem_alone_and_keeps_turns_whose_history_is_long():
+    """mem_baseline: none: the reward of a turn is its P_mem (the same number MemPO's reward starts
+    from), and a turn whose full history would not fit max_len is still scored: no history is run."""
+    from advantage import memory_probs
+    fmt, model = memory_setup()
+    task = gm.make_tasks('train', 1, seed=3, n_objectives=(2, 2), hops=(2, 2))[0]
+    gold = gm.answer_text(task)
+    t = rollout_batch([gm.folded_policy(gm.oracle_policy)], fmt, [gm.MemoryEnv()], [task], CFG)[0]
+    where, p_full, p_mem = memory_probs(model, [t], fmt, [gold], CFG)
+    assert len(where) >= 3 and (p_full > 0).all()
+    rewards, valid = memory_rewards(model, [t], fmt, [gold], dict(CFG, mem_baseline='none'))
+    assert [rewards[0, k].item() for _, k in where] == p_mem.tolist() and valid.sum() == len(where)
+    cut = dict(CFG, max_len=len(t.ids) - 2)  # the last turn's history and answer no longer fit
+    assert memory_rewards(model, [t], fmt, [gold], cut)[1].sum() < len(where)
+    assert memory_rewards(model, [t], fmt, [gold], dict(cut, mem_baseline='none'))[1].sum() == len(where)
