@@ -60,6 +60,7 @@ VARIANTS = {  # name -> overrides on top of the config file; --variants picks so
     'mempo_success': ['--mem_success_only=true'],
     'mempo_found': ['--mem_target=found'],
     'mempo_turn_found': ['--mem_pool=turn', '--mem_target=found'],
+    'pmem_turn_found': ['--mem_baseline=none', '--mem_pool=turn', '--mem_target=found'],  # P_mem alone, no P_full
 }
 MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
@@ -262,20 +263,20 @@ def markdown_table(agg, ks, curve=None):
     return '\n'.join(lines)
 
 
-def paired_lines(results, ks, a='mempo', b='grpo_fold'):
-    """EM of variant a minus variant b per k, seed by seed (the two share each seed's warm start and
-    held-out worlds), as mean ± standard error over the seeds both finished: the comparison the lossy
-    set-up asks for. [] when either variant is missing."""
-    if a not in results or b not in results:
-        return []
+def paired_lines(results, ks, b='grpo_fold', prefix='eval_'):
+    """EM of each memory-credit variant (every one not named grpo_*) minus variant b per k, seed by seed
+    (they share each seed's warm start and worlds), as mean ± standard error over the seeds both
+    finished: the comparison the lossy set-up asks for. prefix 'eval_val_': on the validation split.
+    [] when b is missing."""
     out = []
-    for k in ks:
-        key = f'eval_em_k{k}'
-        diffs = [ra[key] - rb[key] for ra, rb in zip(results[a], results[b]) if key in ra and key in rb]
-        if diffs:
-            m, se = mean_se(diffs)
-            out.append(f"k={k}: {a} - {b} EM, paired by seed: {fmt((m, se), 3)}"
-                       + (f" ({m / se:+.1f} standard errors)" if se == se and se > 0 else ''))
+    for a in [v for v in results if not v.startswith('grpo')] if b in results else []:
+        for k in ks:
+            key = f'{prefix}em_k{k}'
+            diffs = [ra[key] - rb[key] for ra, rb in zip(results[a], results[b]) if key in ra and key in rb]
+            if diffs:
+                m, se = mean_se(diffs)
+                out.append(f"k={k}: {a} - {b} EM, paired by seed: {fmt((m, se), 3)}"
+                           + (f" ({m / se:+.1f} standard errors)" if se == se and se > 0 else ''))
     return out
 
 
@@ -338,8 +339,9 @@ def main(argv):
         agg = aggregate(results, MAIN_COLUMNS, mean_se)
         table = main_table(agg, opts['config'])
     else:
-        agg = aggregate(results, k_columns(opts['ks'], 'eval_val_' if opts['val'] else 'eval_'), mean_se)
-        table = '\n'.join([markdown_table(agg, opts['ks'], curves(results)), ''] + paired_lines(results, opts['ks']))
+        prefix = 'eval_val_' if opts['val'] else 'eval_'
+        agg = aggregate(results, k_columns(opts['ks'], prefix), mean_se)
+        table = '\n'.join([markdown_table(agg, opts['ks'], curves(results)), ''] + paired_lines(results, opts['ks'], prefix=prefix))
     print(table)
     os.makedirs(opts['out'], exist_ok=True)
     path = os.path.join(opts['out'], 'ablation.json')

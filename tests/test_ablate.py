@@ -77,6 +77,10 @@ def test_table_has_memory_quality_rl_time_and_learning_curve(tmp_path, capsys):
     assert 'k=2: mempo - grpo_fold EM, paired by seed: 0.000' in out  # both variants wrote the same EM per seed
     runs = {'mempo': [dict(eval_em_k2=0.5), dict(eval_em_k2=0.9)], 'grpo_fold': [dict(eval_em_k2=0.4), dict(eval_em_k2=0.6)]}
     assert ablate.paired_lines(runs, [2, 4]) == ['k=2: mempo - grpo_fold EM, paired by seed: 0.200 ± 0.100 (+2.0 standard errors)']
+    runs = dict(runs, grpo_full=runs['mempo'], pmem_turn_found=[dict(eval_val_em_k2=0.3), dict(eval_val_em_k2=0.5)])
+    runs['grpo_fold'] = [dict(r, eval_val_em_k2=0.1) for r in runs['grpo_fold']]  # every memory variant against GRPO + folding
+    assert ablate.paired_lines(runs, [2], prefix='eval_val_') == ['k=2: pmem_turn_found - grpo_fold EM, paired by seed: 0.300 ± 0.100 (+3.0 standard errors)']
+    assert len(ablate.paired_lines(runs, [2])) == 1 and ablate.paired_lines({'mempo': runs['mempo']}, [2]) == []
     saved = json.loads((tmp_path / 'ablation.json').read_text())
     assert saved['runs']['mempo'][1]['curve'] == {'0': 0.0, '50': 0.6}
 
