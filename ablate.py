@@ -61,6 +61,7 @@ VARIANTS = {  # name -> overrides on top of the config file; --variants picks so
     'mempo_found': ['--mem_target=found'],
     'mempo_turn_found': ['--mem_pool=turn', '--mem_target=found'],
     'pmem_turn_found': ['--mem_baseline=none', '--mem_pool=turn', '--mem_target=found'],  # P_mem alone, no P_full
+    'pmem_turn_found_025': ['--mem_baseline=none', '--mem_pool=turn', '--mem_target=found', '--mem_coef=0.25'],  # weighted as ReMemR1 mixes
 }
 MAIN_VARIANTS = {'main': []}  # --main: the config file as it is, one run per seed
 QUICK = ['--steps=4', '--eval_every=0', '--warmstart_steps=200', '--warmstart_episodes=512', '--eval_tasks=32', '--eval_samples=1']
