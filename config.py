@@ -96,7 +96,7 @@ config = dict(
     tis_cap=0.0,                 # > 0: old log-probs recomputed by the trainer, and each token's policy-gradient term
                                  # weighted by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling)
     oversample=1.0,              # > 1: roll out batch_size x oversample groups, keep batch_size, those with signal first
-    max_tokens_per_microbatch=16384,
+    max_tokens_per_microbatch=16384,  # padded tokens a forward + backward holds at once; activations grow with it
     max_bad_steps=3,
     # logging
     eval_every=25,

@@ -427,6 +427,9 @@ def run_summary(out_dir, cfg, wall_s):
              f"  steps        {steps} / {cfg.get('steps')}",
              f"  wall time    {int(wall_s // 60)}m {wall_s % 60:.0f}s",
              f"  tokens       {f'{tokens / 1e6:.2f}M' if tokens >= 10_000 else f'{tokens:,.0f}'} processed (contexts + responses, RL steps)"]
+    peaks = [r['peak_memory_gb'] for r in rows if _number(r.get('peak_memory_gb'))]
+    if peaks:  # what the machine must hold: the largest step's peak (resident set on the CPU, allocated on CUDA)
+        lines.append(f"  peak memory  {max(peaks):.1f} GB (an RL step's)")
     for key in ('eval_success_rate', 'eval_greedy_success', 'eval_val_success'):  # choose on validation
         pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
         if pts:

@@ -28,8 +28,8 @@ import report
 from advantage import compute_advantages, keep_groups_with_signal, tis_weights
 from config import all_reduce, check_run, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
 from gym import GymContractError, OutOfVocabulary, load_gym
-from model import (autocast, batch_log_probs, fold_lora, is_reference, load_policy, merged, micro_batches, reference_log_probs,
-                   reference_of, sequence_log_probs, update_mode)
+from model import (autocast, batch_log_probs, fold_lora, is_reference, load_policy, merged, micro_batches, peak_memory_gb,
+                   reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
 from rollout import collate, episode_rows, full_history_row, run_tasks
 
 # -----------------------------------------------------------------------------
@@ -425,11 +425,13 @@ def main(argv):
         episode_ids = torch.tensor([t.group * cfg['group_size'] + i % cfg['group_size'] for i, t in enumerate(trajs)])
         m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'],
                        ref_model is not None and is_reference(model, ref_model))
+        peak_gb = peak_memory_gb(cfg['device'])  # this process's peak since the last step's update
+        release_memory()  # the update's freed activations back to the system, else a CPU run's memory ratchets up
         # log the episodes of every rank, the advantages and the update; evaluate; save
         eps = gather([report.summarise(t) for t in trajs])
         log = dict(step=step, lr=lr, **report.episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
                    tokens=sum(e.get('tt', 0) for e in eps), turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
-                   mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps),
+                   mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps), peak_memory_gb=peak_gb,
                    **{k: all_reduce(v) / world_size() for k, v in adv_stats.items()}, **m, step_time_s=time.time() - t0)
         if n_groups > cfg['batch_size']:
             log['zero_var_groups_sampled'] = sampled_zero_var

@@ -1,6 +1,6 @@
 """
 Do two runs print the same numbers? Compares two metrics.jsonl files line by line, key by key, and
-exits 1 naming the first difference. Wall-clock keys (step_time_s, tokens_per_s, mem_reward_time_s)
+exits 1 naming the first difference. Machine keys (step_time_s, tokens_per_s, mem_reward_time_s, peak_memory_gb)
 are skipped; every other number must be equal to the last bit.
 
     python scripts/same_numbers.py out/before/metrics.jsonl out/after/metrics.jsonl
@@ -12,7 +12,7 @@ config/tiny.yaml and config/tiny_mem.yaml at the same seed (docs/RESULTS.md list
 import json
 import sys
 
-TIMES = ('step_time_s', 'tokens_per_s', 'mem_reward_time_s')
+TIMES = ('step_time_s', 'tokens_per_s', 'mem_reward_time_s', 'peak_memory_gb')
 
 
 def differences(a_path, b_path):

@@ -267,6 +267,13 @@ def test_run_summary_counts_a_small_runs_tokens_without_rounding_them_to_zero(tm
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(dict(step=s, tokens=40)) + '\n' for s in range(4)))
     s = report.run_summary(str(tmp_path), dict(train.config, steps=3), 1.0)
     assert 'tokens       120 processed' in s, s  # step 0 (evaluation only) is not counted
+    assert 'peak memory' not in s  # no step measured it (not Linux, or an older run)
+
+
+def test_run_summary_reports_the_largest_steps_peak_memory(tmp_path):
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(dict(step=s, tokens=40, peak_memory_gb=g)) + '\n'
+                                                    for s, g in [(1, 2.5), (2, 7.25), (3, None)]))
+    assert 'peak memory  7.2 GB' in report.run_summary(str(tmp_path), dict(train.config, steps=3), 1.0)
 
 
 def test_log_external_is_a_no_op_unless_asked(tmp_path):

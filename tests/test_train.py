@@ -15,12 +15,12 @@ import torch
 from config import config, load_config
 from gym import load_gym
 from gyms import memory as gm
-from model import load_policy
+from model import load_policy, peak_memory_gb, release_memory
 from rollout import rollout_batch
 from script_server import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = ('step_time_s', 'tokens_per_s')
+TIMING = ('step_time_s', 'tokens_per_s', 'peak_memory_gb')  # the machine's, not the run's
 SMALL = ['--gym=bugfix', '--train_variants=2', '--warmstart_episodes=16', '--warmstart_steps=10', '--batch_size=2', '--group_size=4',
          '--eval_every=2', '--eval_tasks=4', '--eval_samples=1', '--threads=1', '--n_embd=32', '--max_len=192']
 
@@ -93,6 +93,9 @@ def test_same_seed_same_metrics_on_cpu(reference, tmp_path):
                 'clip_frac', 'entropy', 'loss', 'grad_norm'):
         assert key in reference[1]
     assert all(m['logp_gap_max'] <= 1e-5 and m['ratio_dev_first_minibatch'] <= 1e-5 for m in reference[1:])
+    if sys.platform == 'linux':  # each RL step logs its own peak memory (a machine number: not compared above)
+        with open(tmp_path / 'metrics.jsonl') as f:
+            assert all(json.loads(line)['peak_memory_gb'] > 0.05 for line in list(f)[1:])
     ckpt = torch.load(sorted((tmp_path).glob('ckpt_*.pt'))[-1], weights_only=False)
     assert {'model', 'optimizer', 'rng', 'step', 'config'} <= set(ckpt) and ckpt['config']['steps'] == 6
 
@@ -474,3 +477,28 @@ def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, cap
     err = capsys.readouterr().err
     assert 'the run goes on with settings other than its checkpoint' in err and 'lr 0.001 there, 0.0005 here' in err
     assert 'eval_every' not in err and 'steps' not in err  # run keys change freely
+
+
+def rss_gb():
+    with open('/proc/self/status') as f:
+        return int(f.read().split('VmRSS:')[1].split()[0]) * 1024 / 1e9
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/clear_refs'), reason='VmHWM and its reset are Linux')
+def test_peak_memory_is_each_steps_own():
+    peak_memory_gb('cpu')  # reset
+    x = torch.ones(100_000_000)  # 0.4 GB, touched
+    del x
+    assert peak_memory_gb('cpu') >= rss_gb() + 0.35  # the peak saw the freed tensor
+    assert peak_memory_gb('cpu') <= rss_gb() + 0.05  # and the previous call reset it
+
+
+@pytest.mark.skipif(sys.platform != 'linux' or not os.path.exists('/proc/self/status'), reason='glibc and /proc')
+def test_release_memory_hands_a_fragmented_heaps_free_pages_back():
+    blocks = [torch.ones(25_000) for _ in range(4000)]  # 100 kB each, below glibc's mmap threshold: on the heap
+    kept = blocks[::10]  # every tenth stays, so free() cannot shrink the heap from its top
+    del blocks
+    before = rss_gb()
+    release_memory()
+    assert before - rss_gb() >= 0.2, (before, rss_gb())  # ~0.36 GB of freed blocks were still resident
+    assert len(kept) == 400
