@@ -333,14 +333,18 @@ def count_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def release_memory():
-    """Hand the CPU heap's freed pages back to the system (glibc's malloc_trim; elsewhere nothing).
-    glibc keeps freed blocks for reuse, so after micro-batches of varying shapes a long run's resident
-    memory ratchets up: SmolLM2 in bf16 on 2 cores grew by about 8 GB over 45 RL steps, then the kernel
-    killed it. Called once per RL step; changes no number."""
+def release_memory(headroom=0.25):
+    """Hand the CPU heap's freed pages back to the system (glibc's malloc_trim) when the machine runs
+    short: less than `headroom` of its memory available (Linux /proc/meminfo); elsewhere nothing. glibc
+    keeps freed blocks for reuse, so after micro-batches of varying shapes a long run's resident memory
+    ratchets up (SmolLM2 in bf16 on 2 cores: +8 GB over 45 RL steps, then the kernel killed it). Not
+    every step: pages handed back fault in again, +12% a step for SmolLM2. Changes no number."""
     try:
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
+        with open('/proc/meminfo') as f:
+            info = {line.split(':')[0]: int(line.split()[1]) for line in f}
+        if info['MemAvailable'] < headroom * info['MemTotal']:
+            ctypes.CDLL('libc.so.6').malloc_trim(0)
+    except (OSError, AttributeError, KeyError, ValueError, IndexError):  # not Linux, not glibc: nothing to trim
         pass
 
 

@@ -426,7 +426,7 @@ def main(argv):
         m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'],
                        ref_model is not None and is_reference(model, ref_model))
         peak_gb = peak_memory_gb(cfg['device'])  # this process's peak since the last step's update
-        release_memory()  # the update's freed activations back to the system, else a CPU run's memory ratchets up
+        release_memory()  # freed activations back to the system when it runs short: a CPU heap ratchets up
         # log the episodes of every rank, the advantages and the update; evaluate; save
         eps = gather([report.summarise(t) for t in trajs])
         log = dict(step=step, lr=lr, **report.episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
