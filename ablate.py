@@ -32,7 +32,10 @@ to out/seeds, --ks is not used), run once per seed in the same way, --key=value 
 table is mean +- standard error over seeds (sample std / sqrt(seeds); a single seed shows the mean
 alone) of: validation success and held-out sampled success at the last step, greedy held-out success,
 train success over the last 10 RL steps, and wall time (minutes, as ablate timed the run; `-` for a
-run it did not start). Recipes are compared on validation, never on held-out.
+run it did not start). Then what RL changed over the warm start: each evaluation number at step 0
+and at the last step, and their difference paired by seed (mean +- standard error, and per seed), for
+the numbers every run logs (EM per k, truncation and turn format on the answer gyms).
+Recipes are compared on validation, never on held-out.
 
 Simplifications, on purpose:
 1. Runs are subprocesses, --jobs of them at a time (default 1): no scheduler, no resource checks.
@@ -70,6 +73,10 @@ DIAGNOSIS = ('mem_reward_quality_corr', 'mem_adv_abs_mean', 'outcome_adv_abs_mea
 MAIN_COLUMNS = {  # --main: table column -> a run's number (run_numbers)
     'validation': 'eval_val_success', 'held-out': 'eval_success_rate', 'held-out greedy': 'eval_greedy_success',
     'train (last 10 steps)': 'train_success_last10', 'wall (min)': 'wall_min'}
+GAINS = {  # --main: what RL changed, last evaluation minus step 0's in the same run (lines for keys every run has)
+    'held-out': 'eval_success_rate', 'held-out EM': 'eval_em', **{f'held-out EM k={k}': f'eval_em_k{k}' for k in range(1, 6)},
+    'held-out greedy': 'eval_greedy_success', 'validation': 'eval_val_success', 'validation EM': 'eval_val_em',
+    'held-out truncated': 'eval_truncation_rate', 'held-out turn format': 'eval_turn_format_ok'}
 WALL = 'ablate_wall.json'  # in a run's out_dir: its wall time as ablate measured it
 
 # -----------------------------------------------------------------------------
@@ -129,12 +136,14 @@ def final_eval(metrics_path):
 
 def run_numbers(out_dir):
     """A finished run's numbers: its last evaluation line (final_eval), train_success_last10 (mean
-    train success of its last 10 RL steps), rl_min (minutes in RL steps: rollout, scoring, update;
-    evaluations excluded), curve ({step: held-out EM} at every evaluation), wall_min (when ablate ran
+    train success of its last 10 RL steps), step0 (its step-0 evaluation numbers, the warm start's;
+    {} when it has none), rl_min (minutes in RL steps: rollout, scoring, update; evaluations excluded), curve ({step: held-out EM} at every evaluation), wall_min (when ablate ran
     it, see WALL), out_dir."""
     metrics = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
     rows = [r for r in metrics if r['step'] > 0 and 'success_rate' in r]
     out = dict(final_eval(os.path.join(out_dir, 'metrics.jsonl')), out_dir=out_dir)
+    first = next(r for r in metrics if any(k.startswith('eval_') for k in r))  # final_eval found one
+    out['step0'] = {k: v for k, v in first.items() if k.startswith('eval_')} if first['step'] == 0 else {}
     out['curve'] = {str(r['step']): r['eval_em'] for r in metrics if 'eval_em' in r}
     if rows:
         out['train_success_last10'] = mean_std([r['success_rate'] for r in rows[-10:]])[0]
@@ -291,6 +300,22 @@ def main_table(agg, config):
                       '', f"mean ± standard error over {a['seeds']} seed(s); validation and held-out at the last step"])
 
 
+def gain_lines(runs, seeds):
+    """--main: for each GAINS number every run has at step 0 and at its last evaluation, its mean over
+    seeds before and after RL and the paired gain (last minus step 0, same run and worlds) as mean ±
+    standard error, with the gain of each seed. runs: run_numbers dicts in the order of seeds."""
+    lines = []
+    for name, key in GAINS.items():
+        if not runs or not all(key in r and key in r['step0'] for r in runs):
+            continue
+        gains = [r[key] - r['step0'][key] for r in runs]
+        m, se = mean_se(gains)
+        lines.append(f"{name}: {fmt(mean_se([r['step0'][key] for r in runs]), 3)} -> {fmt(mean_se([r[key] for r in runs]), 3)}, "
+                     f"gain {m:+.3f}" + (f" ± {se:.3f} ({m / se:+.1f} standard errors)" if se == se and se > 0 else '')
+                     + '; by seed ' + ', '.join(f'{s} {g:+.3f}' for s, g in zip(seeds, gains)))
+    return lines
+
+
 def run_job(job):
     """Run one (variant, seed, cmd, out_dir) train.py process; print a line when it starts and ends, and
     write its wall time to out_dir/WALL when it succeeds. Returns its exit code."""
@@ -338,7 +363,8 @@ def main(argv):
         results[variant].append(run_numbers(run_dir(opts['out'], variant, seed)))
     if opts['main']:
         agg = aggregate(results, MAIN_COLUMNS, mean_se)
-        table = main_table(agg, opts['config'])
+        table = '\n'.join([main_table(agg, opts['config']), '', 'RL over the warm start (step 0 -> last evaluation, '
+                           'mean ± standard error over seeds; gain paired by seed):'] + gain_lines(results['main'], opts['seeds']))
     else:
         prefix = 'eval_val_' if opts['val'] else 'eval_'
         agg = aggregate(results, k_columns(opts['ks'], prefix), mean_se)

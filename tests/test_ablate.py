@@ -162,10 +162,10 @@ def _write_main_run(d, seed, extra, successes, val):
     """A finished main-job run as train.py leaves it (config.json, metrics: step 0 evaluation, one
     line per RL step with its train success, the evaluation at the last step)."""
     cfg = ablate.run_config('config/tiny.yaml', 'main', seed, str(d), list(extra))[1]
-    rows = [dict(step=0, eval_success_rate=0.0, eval_greedy_success=0.0, eval_val_success=0.0)]
+    rows = [dict(step=0, eval_success_rate=0.0, eval_greedy_success=0.0, eval_val_success=0.0, eval_em_k2=0.1 * seed)]
     rows += [dict(step=s, success_rate=x, loss=0.1) for s, x in enumerate(successes, 1)]
     rows[-1].update(eval_success_rate=0.5 + seed / 10, eval_greedy_success=0.5, eval_val_success=val,
-                    eval_val_greedy_success=val)
+                    eval_val_greedy_success=val, eval_em_k2=0.5 * seed)
     d.mkdir(exist_ok=True)
     (d / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     (d / 'config.json').write_text(json.dumps(cfg))
@@ -196,6 +196,11 @@ def test_main_sweeps_seeds_of_the_main_job_with_mean_and_standard_error(tmp_path
     out = capsys.readouterr().out
     assert '| config | validation | held-out | held-out greedy | train (last 10 steps) | wall (min) | steps | seeds |' in out
     assert '| config/tiny.yaml | 0.500 ± 0.144 | 0.700 ± 0.058 | 0.500 | 0.500 | ' in out
+    # RL over the warm start, paired by seed: held-out gains 0.6, 0.7, 0.8 (standard error 0.1 / sqrt(3))
+    assert 'held-out: 0.000 -> 0.700 ± 0.058, gain +0.700 ± 0.058 (+12.1 standard errors); by seed 1 +0.600, 2 +0.700, 3 +0.800' in out
+    assert 'held-out EM k=2: 0.200 ± 0.058 -> 1.000 ± 0.289, gain +0.800 ± 0.231 (+3.5 standard errors); by seed 1 +0.400' in out
+    assert 'held-out greedy: 0.000 -> 0.500, gain +0.500; by seed 1 +0.500, 2 +0.500, 3 +0.500' in out
+    assert 'held-out EM:' not in out and 'truncated' not in out  # numbers the runs do not log get no line
     saved = json.loads((tmp_path / 'ablation.json').read_text())
     assert saved['aggregate']['main']['validation'][0] == pytest.approx(0.5) and len(saved['runs']['main']) == 3
     # finished runs are reused (same options); one seed alone shows means without an error
