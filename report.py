@@ -37,7 +37,8 @@ def summarise(t):
 
 
 def episode_metrics(eps, prefix=''):
-    """Means over episode summaries; memory gyms add EM/F1/TT/PT overall and per objective count k, and
+    """Means over episode summaries (reward_nonzero: the share of episodes whose reward is not 0,
+    what a sparse reward gives GRPO to work with); memory gyms add EM/F1/TT/PT overall and per objective count k, and
     the memory gym mem_quality (gyms/memory.py memory_quality, the mean over the episodes that have one).
     Format, for gyms whose env reports format_ok (the <mem> turn format): format_ok, the fraction of
     episodes whose every turn keeps the format and that end in an answer (an episode cut by the
@@ -45,6 +46,7 @@ def episode_metrics(eps, prefix=''):
     are well formed (1 - n_invalid / n_turns over the episodes whose info counts invalid turns)."""
     n = max(len(eps), 1)
     out = {f'{prefix}reward_mean': sum(e['reward'] for e in eps) / n,
+           f'{prefix}reward_nonzero': sum(e['reward'] != 0 for e in eps) / n,  # the share a sparse reward (EM, F1) rewards at all
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
            f'{prefix}truncation_rate': sum(e['stop'] in TRUNCATED for e in eps) / n,  # out of turns or context
            f'{prefix}tt': sum(e.get('tt', 0) for e in eps) / n,  # tokens processed per episode

@@ -356,6 +356,14 @@ def test_reward_quality_corr_pairs_turns_with_their_quality():
     assert 'mem_reward_quality_corr' not in report.episode_metrics([report.summarise(NS(reward=0.0, valid=True, info={}))])
 
 
+def test_reward_nonzero_is_the_share_of_episodes_with_any_reward():
+    from types import SimpleNamespace as NS
+    import report
+    eps = [report.summarise(NS(reward=r, valid=True, info={})) for r in (0.0, 0.25, 0.0, -1.0)]
+    m = report.episode_metrics(eps, 'eval_')
+    assert m['eval_reward_nonzero'] == 0.5 and m['eval_reward_mean'] == -0.1875
+
+
 def test_memory_quality_reaches_the_episode_metrics():
     """env info -> Trajectory -> summarise -> episode_metrics, per k, through the rollout: the lossy
     oracle forgets every answer but the last, so quality is 1 at k = 1 and below 1 at k >= 2."""
