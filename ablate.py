@@ -137,8 +137,9 @@ def final_eval(metrics_path):
 def run_numbers(out_dir):
     """A finished run's numbers: its last evaluation line (final_eval), train_success_last10 (mean
     train success of its last 10 RL steps), step0 (its step-0 evaluation numbers, the warm start's;
-    {} when it has none), rl_min (minutes in RL steps: rollout, scoring, update; evaluations excluded), curve ({step: held-out EM} at every evaluation), wall_min (when ablate ran
-    it, see WALL), out_dir."""
+    {} when it has none), rl_min (minutes in RL steps: rollout, scoring, update; evaluations
+    excluded), curve ({step: held-out EM} at every evaluation), wall_min (when ablate ran it, see
+    WALL), out_dir."""
     metrics = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
     rows = [r for r in metrics if r['step'] > 0 and 'success_rate' in r]
     out = dict(final_eval(os.path.join(out_dir, 'metrics.jsonl')), out_dir=out_dir)
