@@ -1,10 +1,11 @@
+import glob
 import os
 import subprocess
 import sys
 
 import pytest
 
-from gym import gym_modules
+from gym import gym_module, gym_modules
 from script_server import run_script
 from train import config, load_config
 
@@ -192,3 +193,12 @@ def test_a_typo_of_a_scripts_own_option_names_that_option(capsys):
         assert e.value.code == 2 and capsys.readouterr().err == f'error: {err}\n'
     opts, rest = parse_options(['--samples=4', '--eval_task=3', 'c.yaml'], defaults)  # nearer a config key: train.py's
     assert opts['samples'] == 4 and rest == ['--eval_task=3', 'c.yaml']
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(ROOT, 'config', '*.yaml'))), ids=os.path.basename)
+def test_every_shipped_config_loads(path):
+    """Each config/*.yaml passes the checks a run makes before it starts (keys, values, combinations, the
+    gym's keys): a recipe edited by hand cannot ship a typo that only a training run would find."""
+    cfg = load_config([path])
+    gym_module(cfg, config)
+    assert cfg['gym'] in gym_modules()
