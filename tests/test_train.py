@@ -16,11 +16,11 @@ from config import config, load_config
 from gym import load_gym
 from gyms import memory as gm
 from model import load_policy, peak_memory_gb, release_memory
+from report import MACHINE_KEYS
 from rollout import rollout_batch
 from script_server import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = ('step_time_s', 'tokens_per_s', 'peak_memory_gb')  # the machine's, not the run's
 SMALL = ['--gym=bugfix', '--train_variants=2', '--warmstart_episodes=16', '--warmstart_steps=10', '--batch_size=2', '--group_size=4',
          '--eval_every=2', '--eval_tasks=4', '--eval_samples=1', '--threads=1', '--n_embd=32', '--max_len=192']
 
@@ -40,7 +40,7 @@ def train(out_dir, *args, check=True, wait=True, small=SMALL):
 
 def metrics(out_dir):
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if k not in MACHINE_KEYS} for line in f]
 
 
 @pytest.fixture(scope='module')
@@ -512,3 +512,17 @@ def test_release_memory_hands_a_fragmented_heaps_free_pages_back_only_when_the_m
     release_memory(headroom=1.0)  # always below 100%: handed back
     assert before - rss_gb() >= 0.2, (before, rss_gb())  # ~0.36 GB of freed blocks were still resident
     assert len(kept) == 400
+
+
+def test_same_numbers_skips_the_machines_keys_and_names_any_other_difference(tmp_path):
+    """scripts/same_numbers.py, the check of a restructure: times and memory may differ, nothing else."""
+    line = dict(step=1, reward_mean=0.25, step_time_s=3.0, tokens_per_s=100.0, mem_reward_time_s=0.5, peak_memory_gb=1.0)
+    runs = {'a': [line], 'b': [dict(line, step_time_s=9.0, tokens_per_s=7.0, mem_reward_time_s=0.1, peak_memory_gb=2.0)],
+            'c': [dict(line, reward_mean=0.25000001)]}
+    for name, rows in runs.items():
+        (tmp_path / f'{name}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    same = [sys.executable, 'scripts/same_numbers.py', str(tmp_path / 'a.jsonl')]
+    ok = subprocess.run(same + [str(tmp_path / 'b.jsonl')], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(same + [str(tmp_path / 'c.jsonl')], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith('same numbers')
+    assert bad.returncode == 1 and bad.stdout.strip() == 'step 1: reward_mean 0.25 against 0.25000001'
