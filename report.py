@@ -91,13 +91,15 @@ CHECKPOINTS = 'ckpt_' + '[0-9]' * 6 + '.pt'  # the glob of this project's checkp
 
 def save_checkpoint(state, out_dir, step, keep):
     """Write ckpt_<step>.pt atomically (temporary file, then rename) and keep the newest `keep` up to
-    this step. A checkpoint of a later step is neither counted nor removed: it would otherwise push out
-    the one just written (a resume renames those it skipped as corrupt to *.corrupt)."""
+    this step, and step 0's, the warm start, which a comparison of RL recipes resumes from (--resume=True
+    in a copy of the run). A checkpoint of a later step is neither counted nor removed: it would
+    otherwise push out the one just written (a resume renames those it skipped as corrupt to *.corrupt)."""
     path = os.path.join(out_dir, f'ckpt_{step:06d}.pt')
     tmp = path + '.tmp'
     torch.save(state, tmp)
     os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS))) if p <= path]  # zero-padded names
+    warm_start = os.path.join(out_dir, f'ckpt_{0:06d}.pt')
+    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS))) if warm_start < p <= path]  # zero-padded
     for old in mine[:-keep]:
         os.remove(old)
     return path

@@ -71,8 +71,8 @@ def one_step(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def four_steps(tmp_path_factory):
-    """A 4-step run saving every step and keeping 3 checkpoints (ckpt_000002..4): the reference run stopped
-    at step 4, an evaluation step."""
+    """A 4-step run saving every step and keeping 3 checkpoints (ckpt_000002..4) and the warm start's
+    (ckpt_000000): the reference run stopped at step 4, an evaluation step."""
     out = tmp_path_factory.mktemp('steps4')
     train(out, '--steps=4', '--save_every=1', '--keep_checkpoints=3')
     return out
@@ -187,7 +187,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, four_steps, tmp_pa
     # the corrupt file is kept under another name, out of the rotation: the good checkpoints stay
     assert f'{newest} did not load; renamed to ckpt_000004.pt.corrupt' in p.stdout
     assert (tmp_path / 'ckpt_000004.pt.corrupt').read_bytes() == corrupt
-    assert sorted(c.name for c in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000005.pt', 'ckpt_000006.pt']
+    assert sorted(c.name for c in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000000.pt', 'ckpt_000005.pt', 'ckpt_000006.pt']
     (tmp_path / 'ckpt_best.pt').write_bytes(b'mine')  # a user's file of a similar name is never ours to remove
     train(tmp_path, '--steps=1', '--overwrite=True')
     assert (tmp_path / 'ckpt_best.pt').read_bytes() == b'mine'
@@ -238,6 +238,14 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
     assert report.load_latest_checkpoint(str(tmp_path), 'unused')[0]['step'] == 6
     report.save_checkpoint(dict(model={}, step=10, config={}), str(tmp_path), 10, 1)  # this run reaches step 10
     assert [p.name for p in tmp_path.glob('ckpt_*.pt')] == ['ckpt_000010.pt']
+
+
+def test_pruning_keeps_the_newest_and_the_warm_start(tmp_path):
+    """keep=2 over steps 0-5 leaves 4, 5 and 0: the warm start is what RL recipes are compared from."""
+    import report
+    for step in range(6):
+        report.save_checkpoint(dict(model={}, step=step, config={}), str(tmp_path), step, 2)
+    assert sorted(p.name for p in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000000.pt', 'ckpt_000004.pt', 'ckpt_000005.pt']
 
 
 def test_warm_start_batches_whole_episodes(monkeypatch):
