@@ -126,11 +126,14 @@ def run_dir(out, variant, seed):
     return os.path.join(out, f'{variant}_s{seed}')
 
 
+def eval_lines(metrics):
+    """The metrics lines that carry evaluation numbers (eval_*), in the order logged."""
+    return [r for r in metrics if any(k.startswith('eval_') for k in r)]
+
+
 def final_eval(metrics_path):
     """The last metrics line that carries evaluation numbers (eval_*), or None."""
-    if not os.path.exists(metrics_path):
-        return None
-    rows = [r for r in read_metrics(metrics_path) if any(k.startswith('eval_') for k in r)]
+    rows = eval_lines(read_metrics(metrics_path)) if os.path.exists(metrics_path) else []
     return rows[-1] if rows else None
 
 
@@ -142,8 +145,9 @@ def run_numbers(out_dir):
     WALL), out_dir."""
     metrics = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
     rows = [r for r in metrics if r['step'] > 0 and 'success_rate' in r]
-    out = dict(final_eval(os.path.join(out_dir, 'metrics.jsonl')), out_dir=out_dir)
-    first = next(r for r in metrics if any(k.startswith('eval_') for k in r))  # final_eval found one
+    evals = eval_lines(metrics)  # a finished run has at least one
+    first = evals[0]
+    out = dict(evals[-1], out_dir=out_dir)
     out['step0'] = {k: v for k, v in first.items() if k.startswith('eval_')} if first['step'] == 0 else {}
     out['curve'] = {str(r['step']): r['eval_em'] for r in metrics if 'eval_em' in r}
     if rows:
