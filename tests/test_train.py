@@ -282,9 +282,9 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     assert all(r['eval_val_success_rate'] == r['eval_val_success'] and 'eval_val_em_k1' in r for r in (rows[0], last))
     assert f"best eval_val_success     {max(r['eval_val_success'] for r in (rows[0], last)):.3f}" in p.stdout
     assert p.stdout.count(f", format ok {last['eval_format_ok']:.3f} (turns {last['eval_turn_format_ok']:.3f})") >= 1
-    for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_reward_time_s', 'mem_tokens_mean',
-                'tt', 'pt', 'em', 'f1'):
+    for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_tokens_mean', 'tt', 'pt', 'em', 'f1'):
         assert key in rows[1] and rows[1][key] == rows[1][key], key  # present and not NaN
+    assert json.loads((tmp_path / 'metrics.jsonl').read_text().splitlines()[1])['mem_reward_time_s'] >= 0  # a machine key
     # scripts/mem_reward_check.py on this run: the two P's and their correlations with memory quality
     spec = importlib.util.spec_from_file_location('mem_reward_check', os.path.join(ROOT, 'scripts', 'mem_reward_check.py'))
     check = importlib.util.module_from_spec(spec)
