@@ -40,8 +40,10 @@ def summarise(t):
 
 def episode_metrics(eps, prefix=''):
     """Means over episode summaries (reward_nonzero: the share of episodes whose reward is not 0,
-    what a sparse reward gives GRPO to work with); memory gyms add EM/F1/TT/PT overall and per objective count k, and
-    the memory gym mem_quality (gyms/memory.py memory_quality, the mean over the episodes that have one).
+    what a sparse reward gives GRPO to work with; truncation_rate, and stop_<reason> the share cut by
+    each limit in gym.TRUNCATED); memory gyms add EM/F1/TT/PT and truncation overall and per
+    objective count k, and the memory gym mem_quality (gyms/memory.py memory_quality, the mean over
+    the episodes that have one).
     Format, for gyms whose env reports format_ok (the <mem> turn format): format_ok, the fraction of
     episodes whose every turn keeps the format and that end in an answer (an episode cut by the
     rollout, which has no format_ok, counts as not ok), and turn_format_ok, the fraction of turns that
@@ -51,6 +53,7 @@ def episode_metrics(eps, prefix=''):
            f'{prefix}reward_nonzero': sum(e['reward'] != 0 for e in eps) / n,  # the share a sparse reward (EM, F1) rewards at all
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
            f'{prefix}truncation_rate': sum(e['stop'] in TRUNCATED for e in eps) / n,  # out of turns or context
+           **{f'{prefix}stop_{why}': sum(e['stop'] == why for e in eps) / n for why in TRUNCATED},  # which limit
            f'{prefix}tt': sum(e.get('tt', 0) for e in eps) / n,  # tokens processed per episode
            f'{prefix}pt': sum(e.get('pt', 0) for e in eps) / n}  # mean over episodes of the peak context
     if any('format_ok' in e for e in eps):  # the <mem> turn-format gyms (memory, searchqa)
@@ -64,6 +67,7 @@ def episode_metrics(eps, prefix=''):
         for suffix, es in [('', eps)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
             for key in ('em', 'f1', 'tt', 'pt', 'ht'):  # ht: the full history of the same episodes
                 out[f'{prefix}{key}{suffix}'] = sum(float(e.get(key, 0.0)) for e in es) / len(es)
+            out[f'{prefix}truncation_rate{suffix}'] = sum(e['stop'] in TRUNCATED for e in es) / len(es)
             quality = [e['mem_quality'] for e in es if e.get('mem_quality') is not None]  # memory gym
             if quality:
                 out[f'{prefix}mem_quality{suffix}'] = sum(quality) / len(quality)

@@ -372,6 +372,20 @@ def test_reward_nonzero_is_the_share_of_episodes_with_any_reward():
     assert m['eval_reward_nonzero'] == 0.5 and m['eval_reward_mean'] == -0.1875
 
 
+def test_truncation_is_logged_by_limit_and_by_k():
+    """Which limit cut an episode (gym.TRUNCATED: the rollout's max_len or turn cap, a gym's budget or
+    turn limit), and truncation per objective count k on memory gyms: what a recipe aimed at long
+    questions needs to read."""
+    from types import SimpleNamespace as NS
+    import report
+    stops = [('answer', 1), ('max_turns', 3), ('truncated', 3), ('max_turns', 3), ('answer', 2)]
+    eps = [report.summarise(NS(reward=0.0, valid=True, info=dict(stop=s, k=k, em=0.0))) for s, k in stops]
+    m = report.episode_metrics(eps, 'eval_val_')
+    assert (m['eval_val_truncation_rate'], m['eval_val_stop_max_turns'], m['eval_val_stop_truncated']) == (0.6, 0.4, 0.2)
+    assert m['eval_val_stop_budget'] == 0.0
+    assert (m['eval_val_truncation_rate_k1'], m['eval_val_truncation_rate_k2'], m['eval_val_truncation_rate_k3']) == (0, 0, 1)
+
+
 def test_memory_quality_reaches_the_episode_metrics():
     """env info -> Trajectory -> summarise -> episode_metrics, per k, through the rollout: the lossy
     oracle forgets every answer but the last, so quality is 1 at k = 1 and below 1 at k >= 2."""
