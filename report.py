@@ -67,7 +67,8 @@ def episode_metrics(eps, prefix=''):
         for suffix, es in [('', eps)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
             for key in ('em', 'f1', 'tt', 'pt', 'ht'):  # ht: the full history of the same episodes
                 out[f'{prefix}{key}{suffix}'] = sum(float(e.get(key, 0.0)) for e in es) / len(es)
-            out[f'{prefix}truncation_rate{suffix}'] = sum(e['stop'] in TRUNCATED for e in es) / len(es)
+            if suffix:  # overall: truncation_rate above
+                out[f'{prefix}truncation_rate{suffix}'] = sum(e['stop'] in TRUNCATED for e in es) / len(es)
             quality = [e['mem_quality'] for e in es if e.get('mem_quality') is not None]  # memory gym
             if quality:
                 out[f'{prefix}mem_quality{suffix}'] = sum(quality) / len(quality)
@@ -93,17 +94,21 @@ def quality_corr(pairs, key):
 CHECKPOINTS = 'ckpt_' + '[0-9]' * 6 + '.pt'  # the glob of this project's checkpoints: never a user's ckpt_best.pt
 
 
+def checkpoint_path(out_dir, step):
+    """out_dir/ckpt_<step>.pt, zero-padded so that names sort as steps do (CHECKPOINTS globs them)."""
+    return os.path.join(out_dir, f'ckpt_{step:06d}.pt')
+
+
 def save_checkpoint(state, out_dir, step, keep):
     """Write ckpt_<step>.pt atomically (temporary file, then rename) and keep the newest `keep` up to
     this step, and step 0's, the warm start, which a comparison of RL recipes resumes from (--resume=True
     in a copy of the run). A checkpoint of a later step is neither counted nor removed: it would
     otherwise push out the one just written (a resume renames those it skipped as corrupt to *.corrupt)."""
-    path = os.path.join(out_dir, f'ckpt_{step:06d}.pt')
+    path = checkpoint_path(out_dir, step)
     tmp = path + '.tmp'
     torch.save(state, tmp)
     os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    warm_start = os.path.join(out_dir, f'ckpt_{0:06d}.pt')
-    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS))) if warm_start < p <= path]  # zero-padded
+    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS))) if checkpoint_path(out_dir, 0) < p <= path]
     for old in mine[:-keep]:
         os.remove(old)
     return path
@@ -449,7 +454,7 @@ def run_summary(out_dir, cfg, wall_s):
     if base:
         lines.append('  baselines    ' + ', '.join(f'{k} {v:.3f}' for k, v in sorted(base.items())))
     ckpts = sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS)))
-    last = os.path.join(out_dir, f'ckpt_{steps:06d}.pt')  # this run's last save, not a stray newer-named file
+    last = checkpoint_path(out_dir, steps)  # this run's last save, not a stray newer-named file
     for name, path in [('checkpoint', last if last in ckpts else ckpts[-1] if ckpts else os.path.join(out_dir, 'ckpt_*.pt')),
                        ('metrics', metrics), ('curves', os.path.join(out_dir, CURVES))]:
         lines.append(f"  {name:<12} {path}" + ('' if os.path.exists(path) else '  (missing)'))
