@@ -35,7 +35,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')  # nothing here needs a hub; a look
 import torch
 
 from gym import OWNER, Format
-from model import TinyAgent, count_params, generate, sample_next, sequence_log_probs, trunk
+from model import TinyAgent, count_params, generate, pad_after_cache, sample_next, sequence_log_probs, trunk
 from rollout import collate, rollout_batch
 import advantage
 import train
@@ -110,14 +110,8 @@ def peak_flops(device, dtype=torch.float32):
 
 
 def left_pad(contexts, pad_id, device):
-    """B id lists -> ids, attention_mask [B, L], left-padded (as model.generate pads)."""
-    L = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), L), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(contexts), L, dtype=torch.long)
-    for b, c in enumerate(contexts):
-        ids[b, L - len(c):] = torch.tensor(c)
-        attn[b, L - len(c):] = 1
-    return ids.to(device), attn.to(device)
+    """B id lists -> ids, attention_mask [B, L], left-padded as model.generate pads (no cache)."""
+    return (t.to(device) for t in pad_after_cache(contexts, [0] * len(contexts), pad_id))
 
 
 @torch.no_grad()

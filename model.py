@@ -195,6 +195,21 @@ def reusable_cache(kv, context):
 
 
 @torch.no_grad()
+def pad_after_cache(contexts, n_cached, pad_id=0):
+    """The prefill batch of generate: each context's ids after its n_cached cached ones, left-padded.
+    contexts: B id lists; n_cached: B ints (0: no cache). Returns ids [B, L] (L: the longest uncached
+    part) and attn [B, Lc + L] (Lc = max(n_cached)): 1 on a row's cached positions, which sit right-aligned
+    in the first Lc columns, and on its new ids, 0 on the padding between and before them."""
+    Lc, L = max(n_cached), max(len(c) - n for c, n in zip(contexts, n_cached))
+    ids = torch.full((len(contexts), L), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(contexts), Lc + L, dtype=torch.long)
+    for b, (c, n) in enumerate(zip(contexts, n_cached)):
+        ids[b, L - len(c) + n:] = torch.tensor(c[n:])
+        attn[b, Lc - n:Lc] = 1
+        attn[b, Lc + L - len(c) + n:] = 1
+    return ids, attn
+
+
 def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0, caches=None):
     """Sample one response per context with a KV cache: prefill the left-padded contexts in one
     forward, then decode token by token; rows that sampled a stop token leave the batch (and the
@@ -210,14 +225,8 @@ def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generat
     B, return_caches = len(contexts), caches is not None
     past = [reusable_cache(kv, c) for kv, c in zip(caches, contexts)] if return_caches else [None] * B
     n_cached = [p[1] if p is not None else 0 for p in past]
-    Lc, L = max(n_cached), max(len(c) - n for c, n in zip(contexts, n_cached))
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, Lc + L, dtype=torch.long)
-    for b, (c, n) in enumerate(zip(contexts, n_cached)):
-        ids[b, L - len(c) + n:] = torch.tensor(c[n:])
-        attn[b, Lc - n:Lc] = 1
-        attn[b, Lc + L - len(c) + n:] = 1
-    ids, attn = ids.to(device), attn.to(device)
+    Lc = max(n_cached)
+    ids, attn = (t.to(device) for t in pad_after_cache(contexts, n_cached, pad_id))
     pos = position_ids_from_mask(attn)[:, Lc:]
     cache = stack_caches(model, past, Lc, device) if Lc else None
     logits, cache = forward_cached(model, ids, attn, pos, cache)  # [B, V]: only the last position is projected

@@ -246,6 +246,16 @@ def test_reusable_cache_is_the_common_prefix():
     assert model_lib.reusable_cache((layers, [1, 2, 3]), [1, 2, 3])[1] == 2                   # the last token is fed again
     assert model_lib.reusable_cache((layers, [7, 2, 3]), [1, 2, 3]) is None
 
+
+def test_prefill_pads_each_row_after_its_cache():
+    """Row 0 has 2 cached ids and 2 new ones, row 1 none cached and 3 new: new ids right-aligned in
+    [B, 3], cached positions right-aligned in the first 2 columns of the mask, padding 0 everywhere else."""
+    ids, attn = model_lib.pad_after_cache([[1, 2, 3, 4], [5, 6, 7]], [2, 0], pad_id=9)
+    assert ids.tolist() == [[9, 3, 4], [5, 6, 7]]
+    assert attn.tolist() == [[1, 1, 0, 1, 1], [0, 0, 1, 1, 1]]
+    ids, attn = model_lib.pad_after_cache([[1], [2, 3]], [0, 0])  # no cache: plain left padding
+    assert ids.tolist() == [[0, 1], [2, 3]] and attn.tolist() == [[0, 1], [1, 1]]
+
 # -----------------------------------------------------------------------------
 # scripted conversations: the template reproduced, tools executed, memory folded
 
