@@ -50,7 +50,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from report import read_metrics
+from report import read_metrics, read_run_config
 from config import config as config_defaults, fail, load_config, parse_options
 from gym import gym_module
 
@@ -181,12 +181,11 @@ def is_finished(out_dir, cfg):
     """True when the run in out_dir was run with config cfg (its config.json) and has logged its
     evaluation at the final step. A run with other options is not finished: it runs again."""
     last = final_eval(os.path.join(out_dir, 'metrics.jsonl'))
-    cfg_path = os.path.join(out_dir, 'config.json')
-    if last is None or not os.path.exists(cfg_path):
-        return False
     try:
-        saved = json.load(open(cfg_path))
+        saved = read_run_config(out_dir)
     except ValueError:
+        return False
+    if last is None or saved is None:
         return False
     # out_dir is where the run lies, not how it ran: '/abs/out/x' and 'out/x' are one finished run (a
     # mismatch here would rerun it with --overwrite, deleting its checkpoints)

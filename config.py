@@ -206,7 +206,8 @@ def read_config_file(path, argv):
 
 def load_config(argv, defaults=config):
     """defaults <- YAML files <- --key=value, each kind in its order on the command line; a --key=value
-    overrides every file wherever it stands (`--steps=3 config/tiny.yaml` runs 3 steps). Every value is
+    overrides every file wherever it stands (`--steps=3 config/tiny.yaml` runs 3 steps), and of a key
+    given twice on the command line the last counts (ablate.py appends overrides). Every value is
     type-checked against the default. Any error exits with status 2 and one line naming the key or file."""
     cfg, origin = dict(defaults), {}  # origin: key -> 'config file PATH: ' while a file's value stands
     for arg in sorted(argv, key=lambda a: a.startswith('--')):  # stable: files first, then flags
@@ -305,6 +306,7 @@ def check_combinations(cfg, defaults):
         (cfg['clip_low'] >= 1, 'clip_low', f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}"),  # ratio >= 0
         (cfg['resume'] and cfg['overwrite'], 'resume',
          "--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one"),
+        (not out_dir.strip(), 'out_dir', "config key 'out_dir' is empty: name the run's folder (e.g. out/run1)"),
         (os.path.exists(out_dir) and not os.path.isdir(out_dir), 'out_dir',
          f"config key 'out_dir' names a file, not a folder: {out_dir}"),
     ]

@@ -61,8 +61,13 @@ class GymContractError(ValueError):
 
 
 def checked_reset(env, task):
-    """env.reset(task): the prompt text. Raises GymContractError when it is not a str."""
-    text = env.reset(task)
+    """env.reset(task): the prompt text. Raises GymContractError when reset raises (naming the task)
+    or returns anything but a str."""
+    try:
+        text = env.reset(task)
+    except Exception as e:
+        raise GymContractError(f"{type(env).__name__}.reset raised {type(e).__name__}: {e} "
+                               f"(task {getattr(task, 'name', task)!r})") from e
     if not isinstance(text, str):
         raise GymContractError(f"{type(env).__name__}.reset returned {type(text).__name__}, not the prompt text (str)")
     return text
@@ -73,10 +78,11 @@ def checked_step(env, action, finish):
 
     An env that raises ends its episode: done, reward 0, info with stop 'env_error', the error and
     invalid=True (the episode is left out of the update, not the run). A final reward that is not a
-    finite number (None, NaN, '1', True) likewise: reward 0, invalid, the error named; a NaN would
-    poison its group's mean and std. info always holds turn_ok. Raises GymContractError (the gym is
+    finite number (None, NaN, '1', True) likewise: reward 0, not a success, invalid, the error named;
+    a NaN would poison its group's mean and std. info always holds turn_ok. Raises GymContractError (the gym is
     broken in every episode) for a result that is not a 4-tuple, a finished episode's info without
-    success or a stop in STOPS, a reward before done, or an observation that is not text."""
+    success or a stop in STOPS, an info that is not a dict, a reward before done, or an observation that
+    is not text."""
     name = type(env).__name__
     try:
         out = env.step(action, finish)
@@ -87,6 +93,8 @@ def checked_step(env, action, finish):
         raise GymContractError(f"{name}.step returned {type(out).__name__}"
                                f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not (observation, reward, done, info)")
     obs, reward, done, info = out
+    if info is not None and not isinstance(info, dict):
+        raise GymContractError(f"{name}.step returned info of type {type(info).__name__}, not a dict")
     if done:
         missing = [k for k in ('success', 'stop') if not isinstance(info, dict) or k not in info]
         if missing:
@@ -99,7 +107,7 @@ def checked_step(env, action, finish):
         is_number = isinstance(reward, numbers.Real) and not isinstance(reward, bool)  # numpy's too; not '1', not True
         if not (is_number and math.isfinite(reward)):
             info.setdefault('error', f'reward {reward!r} is not a finite number')
-            reward, info['invalid'] = 0.0, True
+            reward, info['invalid'], info['success'] = 0.0, True, False  # not counted a success either
     elif reward != 0:  # the outcome is per episode: a reward before done would be dropped without a word
         raise GymContractError(f"{name}.step returned reward {reward!r} before done; rewards are per episode, "
                                f"given with done=True")
@@ -205,14 +213,16 @@ def load_gym(cfg, vocab=None, defaults=None):
 
     vocab: a checkpoint's tiny vocabulary (list of words) or None. defaults: the config defaults
     (config.config), for gym_module's key check. Every error exits with status 2 and one line: those
-    of gym_module, bad data (OSError or ValueError from setup), a missing key in setup's dict, an
-    empty split, more eval_tasks asked for than the gym has, a checkpoint vocabulary without some
-    word of the gym's texts, a prompt too long for max_len (check_prompts_fit)."""
+    of gym_module, bad data (OSError or ValueError from setup), setup's result not a dict or missing a
+    key, an empty split, more eval_tasks asked for than the gym has, a checkpoint vocabulary without
+    some word of the gym's texts, a reset that raises or a prompt too long for max_len (check_prompts_fit)."""
     mod, name = gym_module(cfg, defaults), cfg['gym']
     try:
         gym_ = mod.setup(cfg, vocab)
     except (OSError, ValueError) as e:  # bad data or settings stop here, before any training
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if not isinstance(gym_, dict):
+        fail(f"gym {name!r}: setup returned {type(gym_).__name__}, not a dict (gym.py lists what setup returns)")
     for key in SETUP_KEYS:
         if key not in gym_:
             fail(f"gym {name!r}: setup returned no {key!r} (gym.py lists what setup returns)")

@@ -188,6 +188,8 @@ def load_tokenizer(name, gguf_file='', chat_template=''):
         tok = load_smollm2_tokenizer()
     else:
         from transformers import AutoTokenizer
+        if name.startswith(('/', '.', '~')) and not Path(name).expanduser().exists():  # a path, not a hub name
+            raise OSError(f"model {name!r}: no such folder (a local model is a folder with config.json, or give a hub name)")
         try:
             tok = AutoTokenizer.from_pretrained(name, **({'gguf_file': gguf_file} if gguf_file else {}))
         except (OSError, ValueError) as e:  # unknown name, no network, not a model folder

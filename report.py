@@ -134,6 +134,7 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
 
 MODEL_SHAPE = ('n_layer', 'n_head', 'n_embd', 'max_len')  # config keys that size the tiny model
 METRICS = 'metrics.jsonl'
+CONFIG = 'config.json'
 
 
 RUN_KEYS = ('steps', 'resume', 'overwrite', 'out_dir', 'threads', 'log_every', 'eval_every', 'save_every',
@@ -144,9 +145,11 @@ def check_out_dir(cfg, master=True):
     """--resume's newest loadable checkpoint as (state, path), or None for a fresh run. Exits 2 with
     one line before a fresh run would replace an earlier run in out_dir without overwrite=True, or
     when --resume finds another run's checkpoint (other gym, model, seed, tasks or tiny-model shape),
-    a checkpoint past `steps`, or metrics without any checkpoint; warns of other settings that differ
+    a checkpoint past `steps`, or metrics without any checkpoint, and before a fresh run would replace
+    a curves.png or a config.json of other settings (a file of the user's); warns of other settings that differ
     from the checkpoint's (they apply from here on). Runs before the gym's set-up."""
-    state, path = load_latest_checkpoint(cfg['out_dir'], 'run without --resume') if cfg['resume'] else (None, None)
+    state, path = (load_latest_checkpoint(cfg['out_dir'], 'run with --overwrite=True instead of --resume=True to start again')
+                   if cfg['resume'] else (None, None))
     old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
     keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank') + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
@@ -164,6 +167,17 @@ def check_out_dir(cfg, master=True):
         fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), {METRICS} "
              f"{'present' if metrics else 'absent'}): --resume=True continues it, "
              f"--overwrite=True replaces it, or choose another out_dir")
+    if state is None and not cfg['overwrite']:  # files a run writes, but no run: a user's, or another set-up's
+        try:
+            saved = read_run_config(cfg['out_dir'])
+        except ValueError:
+            saved = {}
+        same = saved is None or all(saved.get(k) == v for k, v in cfg.items() if k not in RUN_KEYS)
+        mine = [f for f, theirs in ((CONFIG, not same), (CURVES, os.path.exists(os.path.join(cfg['out_dir'], CURVES))))
+                if theirs]
+        if mine:  # config.json of this same config is a run stopped during its warm start: it starts again
+            fail(f"{cfg['out_dir']} holds {' and '.join(mine)}, which this run would replace: "
+                 f"--overwrite=True replaces them, or choose another out_dir")
     changed = [f"{k} {v!r} there, {cfg[k]!r} here" for k, v in (state or {}).get('config', {}).items()
                if k in cfg and k not in RUN_KEYS and v != cfg[k]]
     if changed and master:
@@ -195,10 +209,29 @@ def start_fresh(cfg, master=True):
     write_config(cfg)
 
 
+def read_run_config(out_dir):
+    """out_dir/config.json as a dict, None when there is none. Raises ValueError (one line naming the
+    file) when it is not a JSON object."""
+    path = os.path.join(out_dir, CONFIG)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable config ({type(e).__name__}): fix it or move it away") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds a {type(saved).__name__}, not a config (a JSON object): fix it or move it away")
+    return saved
+
+
 def write_config(cfg):
-    """out_dir/config.json: the config this run trains with (sample.py --untrained reads it)."""
-    with open(os.path.join(cfg['out_dir'], 'config.json'), 'w') as f:
+    """out_dir/config.json: the config this run trains with (sample.py --untrained reads it), written
+    to a temporary file and renamed, so a run killed mid-write leaves the old file or the new one."""
+    path = os.path.join(cfg['out_dir'], CONFIG)
+    with open(path + '.tmp', 'w') as f:
         json.dump(cfg, f, indent=1)
+    os.replace(path + '.tmp', path)
 
 
 def restore(ckpt, cfg, model, opt, rng, gen, rank=0):
@@ -295,14 +328,17 @@ PANELS = [  # (title, metrics.jsonl keys, log scale); eval_baseline_* are drawn 
 
 
 def read_metrics(path):
-    """metrics.jsonl -> list of dicts; a half-written last line (a run killed mid-write) is skipped."""
+    """metrics.jsonl -> list of dicts; a line that is not a JSON object (a half-written last line of a
+    run killed mid-write, an edit) is skipped."""
     rows = []
     with open(path) as f:
         for line in f:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
     return rows
 
 

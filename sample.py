@@ -277,7 +277,7 @@ def parse_args(argv, defaults=OPTIONS):
             fail(f"--{key}={opts[key]}: folder {folder} does not exist")
         if opts[key] and not opts[key].endswith(ext):  # not a folder, a checkpoint or metrics.jsonl by mistake
             fail(f"--{key}={opts[key]}: expected a file name ending in {ext} (--{key}=out{ext})")
-        if os.path.basename(opts[key]) == 'config.json':
+        if os.path.basename(opts[key]) == report.CONFIG:
             fail(f"--{key}={opts[key]}: config.json is the name of a run's saved config; choose another name")
     return opts, rest
 
@@ -303,10 +303,12 @@ def load_run(rest, untrained=False, scripted=False, split='heldout'):
     loads). A CUDA config falls back to the CPU without a GPU."""
     untrained = untrained or scripted
     cfg = load_config(rest)
-    saved = os.path.join(cfg['out_dir'], 'config.json')
-    from_run = untrained and os.path.isfile(saved)
-    if from_run:  # the run's gym and model, before its training
-        cfg = run_config(rest, json.load(open(saved)))
+    try:
+        saved = report.read_run_config(cfg['out_dir']) if untrained else None
+    except ValueError as e:
+        fail(str(e))
+    if saved is not None:  # the run's gym and model, before its training
+        cfg = run_config(rest, saved)
     state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
@@ -336,7 +338,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout'):
     if state is not None:
         report.load_weights(model, state, cfg, path)
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
-        f"untrained {cfg['model']} (--untrained{', the config of ' + saved if from_run else ''})"
+        f"untrained {cfg['model']} (--untrained{', the config of ' + os.path.join(cfg['out_dir'], report.CONFIG) if saved else ''})"
     print(f'policy: {policy}')
     return cfg, gym_, model, policy
 

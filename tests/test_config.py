@@ -34,6 +34,8 @@ def run_train(*args):
     (['--mem_coef=1'], "config key 'mem_coef' (1.0) needs a gym whose turns write <mem> (memory, searchqa), not 'bugfix'"),
     (['--threads=100000'], "config key 'threads' (100000) is more than this machine's"),
     (['--lr=abc'], "config key 'lr' expects float, got 'abc'"),
+    (['--out_dir='], "config key 'out_dir' is empty: name the run's folder"),
+    (['--model=/no/such/model', '--gym=memory'], "model '/no/such/model': no such folder"),
     (['--min_lr=0.1'], "config key 'min_lr' (0.1) must not exceed lr (0.001)"),
     (['--lr=nan'], "config key 'lr' must be a finite number, got nan"),
     (['--beta1=2'], "config key 'beta1' must be in [0, 1), got 2.0"),

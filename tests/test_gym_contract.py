@@ -1,6 +1,7 @@
 """The gym contract (gym.py): every gym in gyms/ conforms, and load_gym / the rollout refuse what
 breaks it with one line."""
 import json
+import os
 import random
 
 import pytest
@@ -131,6 +132,9 @@ def test_setup_must_return_every_key(capsys, monkeypatch):
         k: v for k, v in setup(cfg, vocab).items() if k != 'baselines'})
     assert load_fails(capsys, small_cfg('memory')) == \
         "gym 'memory': setup returned no 'baselines' (gym.py lists what setup returns)"
+    monkeypatch.setattr(GYMS['memory'], 'setup', lambda cfg, vocab=None: None)
+    assert load_fails(capsys, small_cfg('memory')) == \
+        "gym 'memory': setup returned NoneType, not a dict (gym.py lists what setup returns)"
 
 # -----------------------------------------------------------------------------
 # the tiny vocabulary is closed
@@ -301,6 +305,30 @@ def test_a_reward_that_is_not_a_number_makes_the_episode_invalid():
         t = rollout_batch([lambda ep: 'x'], fmt, [_OneTurn(reward)], [0], cfg)[0]
         assert t.valid == valid and t.reward == (reward if valid else 0.0), reward
         assert valid or t.info['error'] == f'reward {reward!r} is not a finite number'
+        assert t.info['success'] == valid  # the gym said success; an episode whose reward is dropped is not one
+
+
+def test_a_step_info_that_is_not_a_dict_stops_in_one_line():
+    class BadInfo(_OneTurn):
+        def step(self, action, finish='stop'):
+            return 'obs', 0.0, False, 'oops'
+    with pytest.raises(gym.GymContractError, match='^BadInfo.step returned info of type str, not a dict$'):
+        rollout_batch([lambda ep: 'x'], word_format(build_tokenizer(['x', 'obs'])), [BadInfo()], [0], dict(config, max_turns=2))
+
+
+def test_a_reset_that_raises_stops_before_the_warm_start_naming_the_task(tmp_path, monkeypatch, capsys):
+    import gyms.example as ex
+    import train
+
+    def reset(self, task):
+        raise KeyError('no such secret')
+    monkeypatch.setattr(ex.GuessEnv, 'reset', reset)
+    with pytest.raises(SystemExit) as e:
+        train.main(['config/example.yaml', f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1, err
+    assert err.startswith("error: GuessEnv.reset raised KeyError: 'no such secret' (task ")
+    assert not os.listdir(tmp_path)  # refused before the run made anything
 
 
 @pytest.mark.parametrize('said', [3, None, ('x', 'no'), ('x', False, 1)])

@@ -335,6 +335,22 @@ def test_untrained_with_a_runs_out_dir_builds_that_runs_gym_and_model(memory, tm
     assert sample.load_run([f'--out_dir={tmp_path}', '--threads=1'], untrained=True)[0]['threads'] == 1  # argv on top
 
 
+def test_untrained_with_a_damaged_config_json_is_one_line(tmp_path, capsys):
+    for text, what in (('{"gym": "mem', 'is not a readable config (JSONDecodeError)'), ('[1, 2]', 'holds a list, not a config (a JSON object)')):
+        (tmp_path / 'config.json').write_text(text)
+        with pytest.raises(SystemExit) as e:
+            sample.main([f'--out_dir={tmp_path}', '--untrained'])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"error: {tmp_path / 'config.json'} {what}: fix it or move it away\n"
+
+
+def test_curves_skip_lines_that_are_not_json_objects(tmp_path):
+    (tmp_path / 'metrics.jsonl').write_text('{"step": 0, "eval_success_rate": 0.5}\n5\n[1]\n{"step": 1, "reward_mean": 1.0}\n{"st')
+    assert [r['step'] for r in report.read_metrics(tmp_path / 'metrics.jsonl')] == [0, 1]
+    sample.main([f'--out_dir={tmp_path}', f'--curves={tmp_path / "c.png"}'])
+    assert (tmp_path / 'c.png').stat().st_size > 0
+
+
 def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
     ckpt = tmp_path / 'ckpt_000002.pt'
     torch.save(dict(model={}, step=2), ckpt)  # a checkpoint, not a rollout dump

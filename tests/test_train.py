@@ -138,7 +138,8 @@ def test_resume_with_only_corrupt_checkpoints_stops_and_keeps_them(one_step, tmp
         c.write_bytes(b'not a checkpoint')
     p = train(tmp_path, '--steps=4', '--resume=True', check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
-        f'error: no checkpoint in {tmp_path} loads (all corrupt, see above); move them away or run without --resume')
+        f'error: no checkpoint in {tmp_path} loads (all corrupt, see above); move them away or '
+        f'run with --overwrite=True instead of --resume=True to start again')
     assert sorted(tmp_path.glob('ckpt_*.pt')) == ckpts and all(c.read_bytes() == b'not a checkpoint' for c in ckpts)
     torch.save({'model': {}}, ckpts[-1])  # a dict with weights but no step is not ours either (it was a KeyError)
     p = train(tmp_path, '--steps=4', '--resume=True', check=False)
@@ -334,6 +335,29 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path)
     assert (tmp_path / 'other' / 'metrics.jsonl').read_text() == '{"step": 0}\n'
     p = train(tmp_path / 'fresh', '--steps=1', '--resume=True', '--save_every=0')
     assert f"--resume=True: no checkpoint in {tmp_path / 'fresh'}, starting from scratch" in p.stdout
+
+
+def test_fresh_run_keeps_a_users_curves_and_config_but_restarts_its_own(tmp_path):
+    """A folder with no run but a curves.png, or a config.json of other settings (a user's files, or
+    docs/): a fresh run refused them in one line instead of replacing them. Its own config.json (a run
+    stopped during its warm start) starts again; --overwrite=True replaces both."""
+    (tmp_path / 'curves.png').write_bytes(b'mine')
+    p = train(tmp_path, '--steps=1', check=False)
+    assert p.returncode == 2 and p.stderr == (f'error: {tmp_path} holds curves.png, which this run would replace: '
+                                              f'--overwrite=True replaces them, or choose another out_dir\n')
+    (tmp_path / 'curves.png').unlink()
+    (tmp_path / 'config.json').write_text('{"mine": 1}')
+    p = train(tmp_path, '--steps=1', check=False)
+    assert p.returncode == 2 and f'{tmp_path} holds config.json, which' in p.stderr
+    assert (tmp_path / 'config.json').read_text() == '{"mine": 1}' and sorted(os.listdir(tmp_path)) == ['config.json']
+    train(tmp_path / 'own', '--steps=0', '--save_every=0')
+    for f in (tmp_path / 'own').iterdir():  # as if stopped during the warm start: only its config.json
+        if f.name != 'config.json':
+            f.unlink()
+    train(tmp_path / 'own', '--steps=0', '--save_every=0', '--log_every=5')  # log_every: a key that may differ
+    (tmp_path / 'curves.png').write_bytes(b'mine')
+    train(tmp_path, '--steps=0', '--overwrite=True')
+    assert json.loads((tmp_path / 'config.json').read_text())['steps'] == 0
 
 
 def test_progress_lines_in_a_log_file(tmp_path):
