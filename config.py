@@ -14,6 +14,7 @@ import difflib
 import math
 import os
 import sys
+import textwrap
 
 import torch
 import yaml
@@ -213,7 +214,8 @@ def load_config(argv, defaults=config):
     for arg in sorted(argv, key=lambda a: a.startswith('--')):  # stable: files first, then flags
         if arg in ('-h', '--help'):
             print((sys.modules['__main__'].__doc__ or '').strip())
-            print('\nconfig keys (YAML files, then --key=value): ' + ' '.join(cfg))
+            print('\nconfig keys and their defaults (YAML files, then --key=value; each explained in config.py):')
+            print(textwrap.fill('  '.join(f'{k}={v!r}' for k, v in defaults.items()), 100))
             sys.exit(0)
         if arg.startswith('--'):
             key, eq, raw = arg[2:].partition('=')
