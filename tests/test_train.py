@@ -529,7 +529,7 @@ def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, cap
     capsys.readouterr()
     T.main(args + ['--steps=2', '--resume=True', '--lr=5e-4', '--eval_every=1'])
     err = capsys.readouterr().err
-    assert 'the run goes on with settings other than its checkpoint' in err and 'lr 0.001 there, 0.0005 here' in err
+    assert 'the run goes on with settings other than its checkpoint' in err and 'lr 0.0003 there, 0.0005 here' in err
     assert 'eval_every' not in err and 'steps' not in err  # run keys change freely
 
 
