@@ -172,11 +172,12 @@ def check_out_dir(cfg, master=True):
             saved = read_run_config(cfg['out_dir'])
         except ValueError:
             saved = {}
-        same = saved is None or all(saved.get(k) == v for k, v in cfg.items() if k not in RUN_KEYS)
-        mine = [f for f, theirs in ((CONFIG, not same), (CURVES, os.path.exists(os.path.join(cfg['out_dir'], CURVES))))
-                if theirs]
-        if mine:  # config.json of this same config is a run stopped during its warm start: it starts again
-            fail(f"{cfg['out_dir']} holds {' and '.join(mine)}, which this run would replace: "
+        # config.json of this same config: a run stopped before its first checkpoint, whose curves.png is its own too
+        own = saved is not None and all(saved.get(k) == v for k, v in cfg.items() if k not in RUN_KEYS + ('device',))
+        kept = [f for f, keep in ((CONFIG, saved is not None and not own),
+                                  (CURVES, not own and os.path.exists(os.path.join(cfg['out_dir'], CURVES)))) if keep]
+        if kept:
+            fail(f"{cfg['out_dir']} holds {' and '.join(kept)}, which this run would replace: "
                  f"--overwrite=True replaces them, or choose another out_dir")
     changed = [f"{k} {v!r} there, {cfg[k]!r} here" for k, v in (state or {}).get('config', {}).items()
                if k in cfg and k not in RUN_KEYS and v != cfg[k]]

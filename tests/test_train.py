@@ -339,8 +339,8 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path)
 
 def test_fresh_run_keeps_a_users_curves_and_config_but_restarts_its_own(tmp_path):
     """A folder with no run but a curves.png, or a config.json of other settings (a user's files, or
-    docs/): a fresh run refused them in one line instead of replacing them. Its own config.json (a run
-    stopped during its warm start) starts again; --overwrite=True replaces both."""
+    docs/): a fresh run refused them in one line instead of replacing them. Its own config.json and
+    curves.png (a run stopped before its first checkpoint) start again; --overwrite=True replaces both."""
     (tmp_path / 'curves.png').write_bytes(b'mine')
     p = train(tmp_path, '--steps=1', check=False)
     assert p.returncode == 2 and p.stderr == (f'error: {tmp_path} holds curves.png, which this run would replace: '
@@ -351,8 +351,9 @@ def test_fresh_run_keeps_a_users_curves_and_config_but_restarts_its_own(tmp_path
     assert p.returncode == 2 and f'{tmp_path} holds config.json, which' in p.stderr
     assert (tmp_path / 'config.json').read_text() == '{"mine": 1}' and sorted(os.listdir(tmp_path)) == ['config.json']
     train(tmp_path / 'own', '--steps=0', '--save_every=0')
-    for f in (tmp_path / 'own').iterdir():  # as if stopped during the warm start: only its config.json
-        if f.name != 'config.json':
+    assert (tmp_path / 'own' / 'curves.png').exists()
+    for f in (tmp_path / 'own').iterdir():  # as if stopped before its first checkpoint: its config.json and curves
+        if f.name not in ('config.json', 'curves.png'):
             f.unlink()
     train(tmp_path / 'own', '--steps=0', '--save_every=0', '--log_every=5')  # log_every: a key that may differ
     (tmp_path / 'curves.png').write_bytes(b'mine')
