@@ -194,7 +194,6 @@ def reusable_cache(kv, context):
     return (layers, n) if n else None
 
 
-@torch.no_grad()
 def pad_after_cache(contexts, n_cached, pad_id=0):
     """The prefill batch of generate: each context's ids after its n_cached cached ones, left-padded.
     contexts: B id lists; n_cached: B ints (0: no cache). Returns ids [B, L] (L: the longest uncached
@@ -210,6 +209,7 @@ def pad_after_cache(contexts, n_cached, pad_id=0):
     return ids, attn
 
 
+@torch.no_grad()
 def generate(model, contexts, stop_ids, max_new_tokens, temperature=1.0, generator=None, pad_id=0, caches=None):
     """Sample one response per context with a KV cache: prefill the left-padded contexts in one
     forward, then decode token by token; rows that sampled a stop token leave the batch (and the

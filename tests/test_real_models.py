@@ -247,6 +247,14 @@ def test_reusable_cache_is_the_common_prefix():
     assert model_lib.reusable_cache((layers, [7, 2, 3]), [1, 2, 3]) is None
 
 
+def test_generate_builds_no_autograd_graph():
+    """Sampling records no graph (a decorator once slid off generate onto the function above it)."""
+    model, seen = model_lib.TinyAgent(16, 1, 2, 32, 64).eval(), []
+    model.register_forward_hook(lambda *a: seen.append(torch.is_grad_enabled()))
+    model_lib.generate(model, [[1, 2, 3], [4, 5]], stop_ids=[0], max_new_tokens=3)
+    assert seen and not any(seen)
+
+
 def test_prefill_pads_each_row_after_its_cache():
     """Row 0 has 2 cached ids and 2 new ones, row 1 none cached and 3 new: new ids right-aligned in
     [B, 3], cached positions right-aligned in the first 2 columns of the mask, padding 0 everywhere else."""
