@@ -21,7 +21,8 @@ from gym import TRUNCATED, fail
 CURVES = 'curves.png'        # file names inside out_dir
 EPISODES = 'episodes.html'
 # metrics.jsonl keys that are the machine's numbers, not the run's: the same run elsewhere prints others
-MACHINE_KEYS = ('step_time_s', 'tokens_per_s', 'mem_reward_time_s', 'peak_memory_gb')
+MACHINE_KEYS = ('step_time_s', 'rollout_time_s', 'update_time_s', 'eval_time_s', 'warmstart_time_s', 'tokens_per_s',
+                'mem_reward_time_s', 'peak_memory_gb')
 
 # -----------------------------------------------------------------------------
 # episode numbers

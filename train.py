@@ -385,7 +385,9 @@ def begin(cfg, model, opt, gym_, rng, gen, ckpt):
               f'{min(10, cfg["warmstart_steps"])}), {time.time() - t0:.0f}s')
     fold_lora(model)  # LoRA: the warm start's update goes into the base weights, the reference's
     ref_model = reference_of(model) if cfg['kl_coef'] else None
+    warmstart_time_s, t0 = time.time() - t0, time.time()
     log = dict(step=0, **evaluate(model, gym_, cfg, 0))  # the warm-started policy, before any RL
+    log.update(warmstart_time_s=warmstart_time_s, eval_time_s=time.time() - t0)
     if rank() == 0:
         report.log_step(cfg, log, gym_)
     save(cfg, 0, model, opt, ref_model, gym_, rng, gen)
@@ -415,6 +417,7 @@ def main(argv):
         mine = list(range(rank(), n_groups, world_size()))
         # roll out: token-in/token-out episodes, sampled log-probs kept (rollout.py)
         trajs = run_tasks(model, gym_, cfg, [tasks[g] for g in mine], cfg['group_size'], mine, gen)
+        rollout_time_s = time.time() - t0
         check_invalid(trajs, 'RL')  # invalid episodes stay in the batch with weight 0
         if n_groups > cfg['batch_size']:  # dynamic sampling: groups with signal first (one process)
             trajs, sampled_zero_var = keep_groups_with_signal(trajs, cfg['batch_size'])
@@ -423,8 +426,10 @@ def main(argv):
         # advantages: GRPO per group, plus MemPO's memory advantage on <mem> tokens (advantage.py)
         adv, adv_stats = compute_advantages(model, gym_, cfg, trajs, batch, ref_logp)  # [R, T-1]
         episode_ids = torch.tensor([t.group * cfg['group_size'] + i % cfg['group_size'] for i, t in enumerate(trajs)])
+        t_update = time.time()
         m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'],
                        ref_model is not None and is_reference(model, ref_model))
+        update_time_s = time.time() - t_update
         peak_gb = peak_memory_gb(cfg['device'])  # this process's peak since the last step's update
         release_memory()  # freed activations back to the system when it runs short: a CPU heap ratchets up
         # log the episodes of every rank, the advantages and the update; evaluate; save
@@ -432,12 +437,14 @@ def main(argv):
         log = dict(step=step, lr=lr, **report.episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
                    tokens=sum(e.get('tt', 0) for e in eps), turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
                    mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps), peak_memory_gb=peak_gb,
-                   **{k: all_reduce(v) / world_size() for k, v in adv_stats.items()}, **m, step_time_s=time.time() - t0)
+                   **{k: all_reduce(v) / world_size() for k, v in adv_stats.items()}, **m, step_time_s=time.time() - t0,
+                   rollout_time_s=rollout_time_s, update_time_s=update_time_s)
         if n_groups > cfg['batch_size']:
             log['zero_var_groups_sampled'] = sampled_zero_var
         log['tokens_per_s'] = log['tokens'] / log['step_time_s']
         if step == cfg['steps'] or (cfg['eval_every'] and step % cfg['eval_every'] == 0):
-            log.update(evaluate(model, gym_, cfg, step))
+            t_eval = time.time()
+            log.update(evaluate(model, gym_, cfg, step), eval_time_s=time.time() - t_eval)
             if master and cfg['dump_rollouts']:
                 report.dump_rollout(os.path.join(cfg['out_dir'], f'rollout_{step:06d}.pt'), trajs, batch, adv, cfg, step)
         if master:

@@ -285,7 +285,12 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     assert p.stdout.count(f", format ok {last['eval_format_ok']:.3f} (turns {last['eval_turn_format_ok']:.3f})") >= 1
     for key in ('mem_reward_mean', 'mem_adv_abs_mean', 'outcome_adv_abs_mean', 'mem_tokens_mean', 'tt', 'pt', 'em', 'f1'):
         assert key in rows[1] and rows[1][key] == rows[1][key], key  # present and not NaN
-    assert json.loads((tmp_path / 'metrics.jsonl').read_text().splitlines()[1])['mem_reward_time_s'] >= 0  # a machine key
+    raw = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+    assert raw[1]['mem_reward_time_s'] >= 0  # a machine key
+    # where a run's minutes go: warm start and evaluations, and each step's rollout and update within it
+    assert raw[0]['warmstart_time_s'] > 0 and raw[0]['eval_time_s'] > 0 and raw[2]['eval_time_s'] > 0
+    assert all(0 < r['rollout_time_s'] and 0 < r['update_time_s'] and r['rollout_time_s'] + r['update_time_s'] <= r['step_time_s']
+               for r in raw[1:]) and 'eval_time_s' not in raw[1]
     # scripts/mem_reward_check.py on this run: the two P's and their correlations with memory quality
     spec = importlib.util.spec_from_file_location('mem_reward_check', os.path.join(ROOT, 'scripts', 'mem_reward_check.py'))
     check = importlib.util.module_from_spec(spec)
