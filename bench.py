@@ -11,6 +11,7 @@ a plumbing check for the tests), --device=cpu (cuda: bf16 autocast, MFU against 
 Rows (ratio > 1 means we are faster; the bench_* functions say more): tiny_rollout_kv_vs_nocache_N
 (model.generate's KV cache vs recomputing the prefix), hf_rollout_vs_generate (vs Hugging Face's; _smollm2),
 multiturn_rollout_kv_reuse_vs_reprefill, ppo_update_tokens_per_s (vs an unbatched update),
+ppo_update_skip_zero_advantage (rows without advantage left out of the update vs computed),
 memory_rewards_shared_history_vs_row_per_turn, rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
 ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2).
 
@@ -19,6 +20,7 @@ tokens / time / peak (attention FLOPs left out), the peak a float32 matmul measu
 GPU. Synthetic data (random prompts, a random-init model, no stop tokens): rows generate exactly the lengths asked.
 """
 
+import copy
 import importlib.util
 import json
 import os
@@ -347,6 +349,27 @@ def bench_ppo(args, sz, peak):
     return row('ppo_update_tokens_per_s', tokens / t_ours, tokens / t_base, 'tok/s', **extra)
 
 
+def bench_skip_zero_advantage(args, sz):
+    """train.ppo_update with skip_zero_advantage vs without, TinyAgent, on a batch whose rows in half
+    the groups have advantage 0 (a bf16 SmolLM2 run logs 25-50% zero-variance groups). The same
+    gradient (tests/test_ppo.py); the note gives the step's largest weight difference after it."""
+    torch.manual_seed(0)
+    model = TinyAgent(TINY_VOCAB, max_len=256).to(args.device)
+    cfg = dict(train.config, device=args.device, ppo_epochs=1)
+    batch, adv = synthetic_batch(model, sz['ppo_R'], sz['ppo_T'], TINY_VOCAB, 3, args.device)
+    adv = adv * (batch['group_ids'] % 2 == 1)[:, None]  # groups 0, 2, 4...: no signal
+    models = [model, copy.deepcopy(model)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-5) for m in models]
+    t_skip, t_all = median_times([lambda: train.ppo_update(models[0], opts[0], batch, adv, None, dict(cfg, skip_zero_advantage=True),
+                                                           random.Random(0)),
+                                  lambda: train.ppo_update(models[1], opts[1], batch, adv, None, cfg, random.Random(0))],
+                                 args.device, sz['reps'], sz['warmup'])
+    diff = max(float((a - b).detach().abs().max()) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    rows = int((adv != 0).any(1).sum())
+    return row('ppo_update_skip_zero_advantage', 1 / t_skip, 1 / t_all, 'updates/s',
+               note=f'{rows} of {len(adv)} rows with signal; max |weight difference| {diff:.1e}')
+
+
 def bench_bf16(args, sz):
     """bf16 autocast against float32 here (ratio > 1: bf16 is faster), TinyAgent and SmolLM2: the PPO update
     (MFU against a measured bf16 matmul; logp_gap_max of each to the batch's float32 log-probs) and the rollout."""
@@ -520,7 +543,7 @@ def main(argv=None):
                                bench_multiturn_kv(args, sz, 'multiturn_rollout_kv_reuse_vs_reprefill', tiny_qwen3_model(args, sz),
                                                   151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
-                   ppo=lambda: [bench_ppo(args, sz, peak)],
+                   ppo=lambda: [bench_ppo(args, sz, peak), bench_skip_zero_advantage(args, sz)],
                    mem=lambda: [bench_memory_rewards(args, sz)], bf16=lambda: bench_bf16(args, sz),
                    rl=lambda: bench_rl_step(args, sz))
     for key, fn in benches.items():

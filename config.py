@@ -97,6 +97,8 @@ config = dict(
     tis_cap=0.0,                 # > 0: old log-probs recomputed by the trainer, and each token's policy-gradient term
                                  # weighted by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling)
     oversample=1.0,              # > 1: roll out batch_size x oversample groups, keep batch_size, those with signal first
+    skip_zero_advantage=False,   # the update skips the forward and backward of rows whose advantages are all 0 (their
+                                 # gradient is 0 without a KL term): same step up to rounding, metrics over rows trained
     max_tokens_per_microbatch=16384,  # padded tokens a forward + backward holds at once; activations grow with it
     max_bad_steps=3,
     # logging

@@ -104,7 +104,10 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     A mini-batch without signal (no advantage on a trained token and a KL term of 0) takes no step:
     Adam would turn its rounding gradient into a full step. A non-finite loss or gradient skips the
     step (bad_steps). tis_cap > 0: PPO's old log-probs are the trainer's (batch_log_probs) and each
-    token's surrogate is weighted by tis_weights. Data parallel: episode_ids [N] index this rank's
+    token's surrogate is weighted by tis_weights. skip_zero_advantage (without a KL term): rows whose
+    advantages are all 0 are left out of every forward and backward but kept in the normaliser, so
+    the step is the same up to rounding; the logged means (entropy, clip_frac, logp gap) are then
+    over the rows computed. Data parallel: episode_ids [N] index this rank's
     episodes in the global batch of n_global, shuffled alike on every rank with global normalisers,
     so N ranks take the step of one process. Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
@@ -118,6 +121,9 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     no_kl = ref_logp is None or not cfg['kl_coef']
     kl_free = no_kl or (at_reference and cfg['kl_type'] != 'k1')  # at the reference k2, k3 have gradient 0; k1 not
     update_mode(model)
+    # without a KL term a row whose advantages are all 0 has gradient 0: its forward and backward can go
+    trained = ((adv != 0) & mask.bool()).any(1) if cfg['skip_zero_advantage'] and no_kl \
+        else torch.ones(len(mask), dtype=torch.bool)  # [R]
     plan = []  # per epoch, the rows [r] of each mini-batch
     for epoch in range(cfg['ppo_epochs']):
         order = list(range(n_global))
@@ -126,19 +132,21 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
                      for i in range(cfg['mini_batches'])])
     old = batch['sample_logp']  # [R, T-1]; exact in float32 (logp_gap_max)
     if cfg['tis_cap']:  # bf16: the trainer's own old log-probs, and each token weighted for the sampler's
-        old = batch_log_probs(model, batch, cfg, plan[0], mask)  # as the first epoch's forwards, before any step
-        tis = tis_weights(old, batch['sample_logp'], mask, cfg['tis_cap'])
+        mask_t = mask * trained[:, None]  # [R, T-1]: the tokens the update computes
+        old = batch_log_probs(model, batch, cfg, [rows[trained[rows]] for rows in plan[0]], mask_t)  # as the first
+        tis = tis_weights(old, batch['sample_logp'], mask_t, cfg['tis_cap'])  # epoch's forwards, before any step
         adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched
-        n_pol = all_reduce(float(mask.sum()))
-        m.update(tis_weight_mean=all_reduce(float((tis * mask).sum())) / max(n_pol, 1.0),
-                 tis_capped_frac=all_reduce(float(((tis >= cfg['tis_cap']) & mask.bool()).sum())) / max(n_pol, 1.0))
+        n_pol = all_reduce(float(mask_t.sum()))
+        m.update(tis_weight_mean=all_reduce(float((tis * mask_t).sum())) / max(n_pol, 1.0),
+                 tis_capped_frac=all_reduce(float(((tis >= cfg['tis_cap']) & mask_t.bool()).sum())) / max(n_pol, 1.0))
     for rows in [rows for epoch in plan for rows in epoch]:
         signal = not kl_free or all_reduce(float(((adv[rows] != 0) & mask[rows].bool()).sum())) > 0
         per_ep = torch.zeros(n_global).index_add_(0, row_global[rows], mask[rows].sum(1))
         w = loss_weights(mask[rows], row_global[rows], cfg['loss_agg'], max_ep_tokens,
                          n_tokens=all_reduce(float(per_ep.sum())), n_episodes=all_reduce(float((per_ep > 0).sum())))
         opt.zero_grad(set_to_none=True)
-        total = all_reduce(minibatch_loss(model, batch, rows, mask, w, adv, old, ref_logp, cfg, signal, sums,
+        keep = trained[rows]  # the normaliser above counts every row; only rows with signal are computed
+        total = all_reduce(minibatch_loss(model, batch, rows[keep], mask, w[keep], adv, old, ref_logp, cfg, signal, sums,
                                           m if first else None))
         first = False
         if signal:  # else the true gradient is 0 (docstring): no step, not even AdamW's weight decay

@@ -55,8 +55,11 @@ def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     rows = run_smoke(tmp_path, 'tiny,hf,ppo,mem')
     check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',
                       'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'multiturn_rollout_kv_reuse_vs_reprefill',
-                      'ppo_update_tokens_per_s', 'memory_rewards_shared_history_vs_row_per_turn'])
-    assert rows[-2]['mfu'] > 0  # against the measured CPU matmul peak
+                      'ppo_update_tokens_per_s', 'ppo_update_skip_zero_advantage',
+                      'memory_rewards_shared_history_vs_row_per_turn'])
+    assert rows[-3]['mfu'] > 0  # against the measured CPU matmul peak
+    # both updates took the same step from the same weights (every repetition: they stay alike)
+    assert float(rows[-2]['note'].split('max |weight difference| ')[1]) <= 1e-6 and ' of ' in rows[-2]['note']
     gap = float(rows[-1]['note'].split('max |difference| ')[1])  # the two ways give the same rewards
     assert gap <= 1e-6 and ' 0 scored turns' not in rows[-1]['note']
 

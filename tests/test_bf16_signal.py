@@ -10,7 +10,7 @@ import torch
 
 import config as config_lib
 import train
-from advantage import has_signal, keep_groups_with_signal, tis_weights
+from advantage import grpo_advantage, has_signal, keep_groups_with_signal, tis_weights, token_advantages
 from test_ppo import setup
 
 
@@ -57,6 +57,12 @@ def test_bf16_first_ratio_is_exactly_one_with_tis_and_the_gap_is_logged():
     assert m['ratio_dev_first_minibatch'] == 0.0 and m['grad_norm'] > 0
     assert m['logp_gap_max'] == plain['logp_gap_max'] and 0 < m['logp_gap_mean'] <= m['logp_gap_max']
     assert 0 < m['tis_weight_mean'] <= 2.0 and 0 <= m['tis_capped_frac'] <= 1
+    batch['rewards'][:4] = 1.0  # the first group without signal, its rows skipped: the ratio is still exactly 1
+    adv = token_advantages(grpo_advantage(batch['rewards'], batch['group_ids']), batch['row_episode'],
+                           batch['action_mask'])
+    s = train.ppo_update(frozen, torch.optim.AdamW(frozen.parameters(), lr=1e-3), batch, adv, None,
+                         dict(cfg, tis_cap=2.0, skip_zero_advantage=True), random.Random(0))
+    assert s['ratio_dev_first_minibatch'] == 0.0 and s['grad_norm'] > 0 and 0 < s['tis_weight_mean'] <= 2.0
 
 
 def test_float32_keeps_its_exact_gap_and_numbers_without_tis():

@@ -49,6 +49,31 @@ def grads_after(model, batch, adv, cfg, budget, loss_agg):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
+def test_skipping_rows_without_advantage_leaves_the_gradient_and_computes_fewer_rows(monkeypatch):
+    """skip_zero_advantage: rows whose advantages are all 0 are not forwarded, yet stay in the
+    normaliser, so every aggregation's gradient is the one of the full update; a KL term keeps them."""
+    model, batch, adv, cfg = setup(keep=1, n=8)
+    batch['rewards'] = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # group 1: all equal, no signal
+    adv = token_advantages(grpo_advantage(batch['rewards'], batch['group_ids']), batch['row_episode'], batch['action_mask'])
+    signal_rows = int(((adv != 0) & batch['action_mask'].bool()).any(1).sum())
+    assert 0 < signal_rows < len(adv)
+    forwarded = []
+    real = train.sequence_log_probs
+    monkeypatch.setattr(train, 'sequence_log_probs', lambda m, ids, *a, **k: forwarded.append(len(ids)) or real(m, ids, *a, **k))
+    for agg in ('token-mean', 'seq-mean', 'drgrpo'):
+        forwarded.clear()
+        whole = grads_after(model, batch, adv, cfg, budget=10 ** 9, loss_agg=agg)
+        assert sum(forwarded) == len(adv)
+        forwarded.clear()
+        skipped = grads_after(model, batch, adv, dict(cfg, skip_zero_advantage=True), budget=10 ** 9, loss_agg=agg)
+        assert sum(forwarded) == signal_rows
+        assert whole.norm() > 0 and (whole - skipped).norm() / whole.norm() <= 1e-6, agg
+    forwarded.clear()  # with a KL term every row has a gradient: none is skipped
+    ppo_update(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch, adv, batch['sample_logp'] - 0.1,
+               dict(cfg, mini_batches=1, kl_coef=0.1, skip_zero_advantage=True), random.Random(0))
+    assert sum(forwarded) == len(adv)
+
+
 def test_minibatch_gradient_does_not_depend_on_microbatch_split():
     model, batch, adv, cfg = setup(keep=1, n=8)
     L = batch['ids'].shape[1]
