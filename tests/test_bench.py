@@ -64,6 +64,17 @@ def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     assert gap <= 1e-6 and ' 0 scored turns' not in rows[-1]['note']
 
 
+def test_a_run_stopped_midway_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    def stopped(*args):
+        raise KeyboardInterrupt  # as a time limit stops a GPU check between two groups of rows
+    monkeypatch.setattr(bench, 'bench_memory_rewards', stopped)
+    path = tmp_path / 'bench.json'
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(['--smoke', '--only=ppo,mem', f'--json={path}'])
+    torch.set_num_threads(1)
+    check_rows(json.loads(path.read_text()), ['ppo_update_tokens_per_s', 'ppo_update_skip_zero_advantage'])
+
+
 def test_smoke_bf16_rows_compare_bf16_with_float32(tmp_path):
     rows = run_smoke(tmp_path, 'bf16')
     check_rows(rows, ['ppo_update_bf16_vs_fp32_tiny', 'rollout_bf16_vs_fp32_tiny'])
