@@ -23,20 +23,16 @@ step() {  # run a check; count it when it fails
     "$@" || { echo "== FAILED (exit $?): $*"; failed=$((failed + 1)); return 1; }
 }
 
-train_check() {  # name, then train.py's arguments: a short run on the GPU, its log in $OUT/name.log
+train_logged() {  # name, then train.py's arguments: a short run on the GPU, its log in $OUT/name.log
     local name=$1; shift
-    echo "== train.py $*"
-    if python train.py "$@" --device=cuda --threads=0 --overwrite=True --out_dir="$OUT/$name" > "$OUT/$name.log" 2>&1; then
-        python - "$OUT/$name/metrics.jsonl" <<'PY'
-import json, sys
-r = json.loads(open(sys.argv[1]).read().splitlines()[-1])  # the run's last step
-print({k: r.get(k) for k in ('step', 'logp_gap_max', 'logp_gap_mean', 'ratio_dev_first_minibatch', 'tis_weight_mean',
-                             'zero_var_groups', 'kl', 'loss', 'grad_norm', 'tokens_per_s', 'rollout_time_s',
-                             'update_time_s', 'eval_success_rate')})
-PY
-    else
-        echo "== FAILED (exit $?): train.py $*"; tail -20 "$OUT/$name.log"; failed=$((failed + 1))
-    fi
+    python train.py "$@" --device=cuda --threads=0 --overwrite=True --out_dir="$OUT/$name" > "$OUT/$name.log" 2>&1 \
+        || { local rc=$?; tail -20 "$OUT/$name.log"; return $rc; }
+}
+
+train_check() {  # a short run counted by step(); its last metrics line printed when it succeeds
+    step train_logged "$@" && python -c "import report, sys; r = report.read_metrics(sys.argv[1])[-1]; print({k: r.get(k) for k in (
+        'step', 'logp_gap_max', 'logp_gap_mean', 'ratio_dev_first_minibatch', 'tis_weight_mean', 'zero_var_groups', 'kl',
+        'loss', 'grad_norm', 'tokens_per_s', 'rollout_time_s', 'update_time_s', 'eval_success_rate')})" "$OUT/$1/metrics.jsonl"
 }
 
 step python -m pytest -q -m cuda tests/test_cuda.py
