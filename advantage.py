@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from gym import TRUNCATED
 from model import autocast, forward_cached, micro_batches, position_ids_from_mask, select_cache, sequence_log_probs
 
 # -----------------------------------------------------------------------------
@@ -40,6 +41,15 @@ def _group_normalise(values, valid, group_ids, scale_std, eps):
         centred = v - v.mean()
         out[sel] = centred / (centred.pow(2).mean().sqrt() + eps) if scale_std else centred
     return out.float()
+
+
+def training_rewards(trajs, truncation_penalty=0.0):
+    """[N] float32: each episode's reward as the advantages see it: the gym's reward, less
+    truncation_penalty where the episode ran out of turns or context (info['stop'] in gym.TRUNCATED),
+    so that a loop that hits the budget scores below a wrong answer. DAPO's overlong punishment
+    (Yu et al. 2025, §3.4) in a constant form. Logged rewards and success stay the gym's."""
+    cut = [t.info.get('stop') in TRUNCATED for t in trajs]
+    return torch.tensor([t.reward - truncation_penalty * c for t, c in zip(trajs, cut)], dtype=torch.float32)
 
 
 def grpo_advantage(rewards, group_ids, valid=None, scale_std=True, eps=1e-6):
@@ -94,9 +104,10 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     """Per-token advantages [R, T-1]: GRPO's outcome advantage per episode, plus MemPO's memory
     advantage on <mem> tokens when mem_coef > 0. ref_logp [R, T-1] (or None) is here for methods that
     put the KL into the reward (REINFORCE++; README, "Swap the loss"). Returns (advantages, stats)."""
-    out = grpo_advantage(batch['rewards'], batch['group_ids'], batch['valid'], cfg['adv_std'], cfg['adv_eps'])
+    rewards = training_rewards(trajs, cfg['truncation_penalty'])  # [N]: batch['rewards'], less any penalty
+    out = grpo_advantage(rewards, batch['group_ids'], batch['valid'], cfg['adv_std'], cfg['adv_eps'])
     # how much outcome signal the step has: 0 when every group's rewards are equal
-    signal = has_signal(batch['rewards'], batch['valid'], batch['group_ids'])
+    signal = has_signal(rewards, batch['valid'], batch['group_ids'])
     stats = dict(outcome_adv_abs_mean=float(out[batch['valid']].abs().mean()) if batch['valid'].any() else 0.0,
                  zero_var_groups=1 - sum(signal.values()) / max(len(signal), 1))
     mem_adv = None
@@ -116,12 +127,12 @@ def compute_advantages(model, gym_, cfg, trajs, batch, ref_logp=None):
     return adv, stats
 
 
-def keep_groups_with_signal(trajs, n_groups):
+def keep_groups_with_signal(trajs, n_groups, truncation_penalty=0.0):
     """Dynamic sampling (Yu et al. 2025, DAPO, §3.2): of the groups rolled out (trajs, whole groups in
     order), keep n_groups, those whose rewards differ first, then all-equal ones to fill the batch,
     so a step never waits for signal that does not come. Kept groups are renumbered 0..n_groups-1.
     Returns (trajectories, the share of all-equal groups among those rolled out)."""
-    rewards = torch.tensor([t.reward for t in trajs])
+    rewards = training_rewards(trajs, truncation_penalty)  # the rewards the advantages will see
     signal = has_signal(rewards, torch.tensor([t.valid for t in trajs]), torch.tensor([t.group for t in trajs]))
     keep = sorted(signal, key=lambda g: not signal[g])[:n_groups]  # stable: signal first, in rollout order
     new_id = {g: i for i, g in enumerate(sorted(keep))}

@@ -94,6 +94,8 @@ config = dict(
     mem_target='answer',         # gym memory: P scores the whole gold 'answer' | the answers 'found' by that turn
     mem_baseline='full',         # the memory reward is P_mem - P_full ('full', MemPO's) | P_mem alone ('none': the
                                  # pool's mean is the baseline; no full-history pass)
+    truncation_penalty=0.0,      # subtracted from the reward of an episode cut by a limit (out of turns or context)
+                                 # for its advantage only (DAPO's overlong punishment); logged rewards stay the gym's
     tis_cap=0.0,                 # > 0: old log-probs recomputed by the trainer, and each token's policy-gradient term
                                  # weighted by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling)
     oversample=1.0,              # > 1: roll out batch_size x oversample groups, keep batch_size, those with signal first
@@ -249,7 +251,7 @@ RANGES = dict(
     **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
                               'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
                               'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',
-                              'adv_eps', 'lora_rank', 'tis_cap')},
+                              'adv_eps', 'lora_rank', 'tis_cap', 'truncation_penalty')},
     oversample=(1, None),
     seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
 )

@@ -428,7 +428,7 @@ def main(argv):
         rollout_time_s = time.time() - t0
         check_invalid(trajs, 'RL')  # invalid episodes stay in the batch with weight 0
         if n_groups > cfg['batch_size']:  # dynamic sampling: groups with signal first (one process)
-            trajs, sampled_zero_var = keep_groups_with_signal(trajs, cfg['batch_size'])
+            trajs, sampled_zero_var = keep_groups_with_signal(trajs, cfg['batch_size'], cfg['truncation_penalty'])
         batch = collate(trajs, gym_['fmt'].pad_id)  # training rows: one per episode, or per turn when folded
         ref_logp = reference_log_probs(ref_model, batch, cfg) if ref_model is not None else None  # [R, T-1]
         # advantages: GRPO per group, plus MemPO's memory advantage on <mem> tokens (advantage.py)

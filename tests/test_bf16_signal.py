@@ -10,7 +10,8 @@ import torch
 
 import config as config_lib
 import train
-from advantage import grpo_advantage, has_signal, keep_groups_with_signal, tis_weights, token_advantages
+from advantage import (compute_advantages, grpo_advantage, has_signal, keep_groups_with_signal, tis_weights,
+                       token_advantages, training_rewards)
 from test_ppo import setup
 
 
@@ -82,7 +83,7 @@ def test_has_signal_counts_groups_whose_valid_rewards_differ():
     assert has_signal(rewards, valid, groups) == {0: False, 1: True, 2: False, 3: False}  # 2: one valid; 3: one
 
 
-Traj = dataclasses.make_dataclass('Traj', ['reward', 'valid', 'group'])  # what keep_groups_with_signal reads
+Traj = dataclasses.make_dataclass('Traj', ['reward', 'valid', 'group', ('info', dict, dataclasses.field(default_factory=dict))])  # what keep_groups_with_signal reads
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_first_and_renumbers():
@@ -103,3 +104,39 @@ def test_dynamic_sampling_never_loops_when_no_group_has_signal(tmp_path):
     assert [r['step'] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert 0 <= r['zero_var_groups'] <= r['zero_var_groups_sampled'] <= 1 and r['tokens'] > 0
+
+
+# -----------------------------------------------------------------------------
+# truncation_penalty: a loop that runs out of turns scores below a wrong answer
+
+
+Episode = dataclasses.make_dataclass('Episode', ['reward', 'valid', 'group', 'info'])  # what training_rewards reads
+
+
+def test_truncation_penalty_gives_signal_to_a_group_of_failures():
+    """Group 0: two wrong answers and two episodes cut by a limit (the gym's own turn budget, the
+    rollout's); all score 0, so the gym's rewards carry no signal. With truncation_penalty 0.5 the cut
+    ones score -0.5: the answers get advantage +1, the loops -1, and dynamic sampling keeps the group
+    first. Group 1 (a success and a cut loop) keeps its order. Penalty 0: the gym's rewards exactly."""
+    stops = [('answer', 0.0), ('max_turns', 0.0), ('answer', 0.0), ('truncated', 0.0),
+             ('answer', 1.0), ('budget', 0.0), ('answer', 0.0), ('answer', 0.0)]
+    trajs = [Episode(r, True, i // 4, {'stop': s}) for i, (s, r) in enumerate(stops)]
+    assert training_rewards(trajs).tolist() == [t.reward for t in trajs]
+    rewards = training_rewards(trajs, 0.5)
+    assert rewards.tolist() == [0.0, -0.5, 0.0, -0.5, 1.0, -0.5, 0.0, 0.0]
+    assert [t.reward for t in trajs] == [r for _, r in stops]  # the episodes' own rewards are untouched
+    n = len(trajs)
+    batch = dict(group_ids=torch.tensor([t.group for t in trajs]), valid=torch.ones(n, dtype=torch.bool),
+                 row_episode=torch.arange(n), action_mask=torch.ones(n, 3), mem_mask=torch.zeros(n, 3),
+                 turn_ids=torch.zeros(n, 3, dtype=torch.long), rewards=torch.tensor([t.reward for t in trajs]))
+    cfg = dict(truncation_penalty=0.0, adv_std=True, adv_eps=1e-6, mem_coef=0.0)
+    adv, stats = compute_advantages(None, {}, cfg, trajs, batch)
+    assert not adv[:4].any() and stats['zero_var_groups'] == 0.5
+    adv, stats = compute_advantages(None, {}, dict(cfg, truncation_penalty=0.5), trajs, batch)
+    assert torch.allclose(adv[:4, 0], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-5)
+    assert adv[4, 0] > adv[6, 0] > adv[5, 0] and stats['zero_var_groups'] == 0.0  # success > wrong > cut
+    trajs = [Episode(0.0, True, g, {'stop': 'answer' if g == 2 and i else 'max_turns'}) for g in range(3)
+             for i in range(2)]  # only group 2 has a wrong answer beside a loop
+    kept, zero_var = keep_groups_with_signal(trajs, 1, truncation_penalty=0.5)
+    assert [t.info['stop'] for t in kept] == ['max_turns', 'answer'] and abs(zero_var - 2 / 3) < 1e-9
+    assert keep_groups_with_signal(trajs, 1)[1] == 1.0  # without the penalty no group has signal

@@ -42,6 +42,7 @@ def run_train(*args):
     (['--gguf_file=x.gguf'], "config key 'gguf_file' names a file in a Hugging Face model folder or repo; model 'tiny' has none"),
     (['--seed=99999999999999999999'], "config key 'seed' must be in [0, 4294967296), got 99999999999999999999"),
     (['--weight_decay=-1'], "config key 'weight_decay' must be >= 0, got -1.0"),
+    (['--truncation_penalty=-0.5'], "config key 'truncation_penalty' must be >= 0, got -0.5"),
     (['--train_variants=3', '--gym=memory'], "config key 'train_variants' is not used by gym 'memory'"),
     (['--gym=sandbox'], "unknown gym 'sandbox'; the gyms: " + ', '.join(gym_modules())),  # a forked gym joins the list
     (['--gym=memry'], "unknown gym 'memry' (did you mean 'memory'?); the gyms: "),
