@@ -211,11 +211,13 @@ def get_index(corpus=DEFAULT_CORPUS):
 def truncate(text, max_tokens, tokenizer=None):
     """Cut text to at most max_tokens tokens of tokenizer (an HF tokenizer), or max_tokens
     whitespace-separated words when tokenizer is None. Cuts at a token's character boundary, so
-    no partial character is produced; returns text unchanged when it fits."""
+    no partial character is produced; returns text unchanged when it fits. Special-token strings in the
+    text count as the pieces the observation is encoded into (hf.py: split_special_tokens=True)."""
     if tokenizer is None:
         ends = [m.end() for m in re.finditer(r'\S+', text)]
         return text if len(ends) <= max_tokens else text[:ends[max_tokens - 1]] if max_tokens > 0 else ''
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)['offset_mapping']
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                        split_special_tokens=True)['offset_mapping']
     if len(offsets) <= max_tokens:
         return text
     return text[:offsets[max_tokens - 1][1]] if max_tokens > 0 else ''
