@@ -92,16 +92,21 @@ def test_dynamic_sampling_keeps_groups_with_signal_first_and_renumbers():
     assert [(t.reward, t.group) for t in kept] == [(1, 0), (0, 0), (0, 1), (1, 1)] and zero_var == 0.5
 
 
-def test_dynamic_sampling_never_loops_when_no_group_has_signal(tmp_path):
+def test_dynamic_sampling_never_loops_when_no_group_has_signal(tmp_path, monkeypatch):
     """All groups all-equal: batch_size of them are kept, no second draw; and train.py's step runs
-    with oversample end to end (the example gym, groups of 2, often all-equal)."""
+    with oversample end to end (the example gym, groups of 2, often all-equal), choosing its groups
+    on the rewards the advantages see (truncation_penalty passed on)."""
     trajs = [Traj(0.0, True, g) for g in range(6) for _ in range(3)]
     kept, zero_var = keep_groups_with_signal(trajs, 4)
     assert sorted({t.group for t in kept}) == [0, 1, 2, 3] and len(kept) == 12 and zero_var == 1.0
+    penalties = []
+    monkeypatch.setattr(train, 'keep_groups_with_signal',
+                        lambda trajs, n, p: penalties.append(p) or keep_groups_with_signal(trajs, n, p))
     train.main(['config/example.yaml', '--warmstart_episodes=16', '--warmstart_steps=4', '--steps=2', '--batch_size=2',
-                '--group_size=2', '--oversample=2.0', '--eval_tasks=2', '--eval_samples=1', f'--out_dir={tmp_path}'])
+                '--group_size=2', '--oversample=2.0', '--eval_tasks=2', '--eval_samples=1', '--truncation_penalty=0.25',
+                f'--out_dir={tmp_path}'])
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
-    assert [r['step'] for r in rows] == [0, 1, 2]
+    assert [r['step'] for r in rows] == [0, 1, 2] and penalties == [0.25, 0.25]
     for r in rows[1:]:
         assert 0 <= r['zero_var_groups'] <= r['zero_var_groups_sampled'] <= 1 and r['tokens'] > 0
 
@@ -116,8 +121,9 @@ Episode = dataclasses.make_dataclass('Episode', ['reward', 'valid', 'group', 'in
 def test_truncation_penalty_gives_signal_to_a_group_of_failures():
     """Group 0: two wrong answers and two episodes cut by a limit (the gym's own turn budget, the
     rollout's); all score 0, so the gym's rewards carry no signal. With truncation_penalty 0.5 the cut
-    ones score -0.5: the answers get advantage +1, the loops -1, and dynamic sampling keeps the group
-    first. Group 1 (a success and a cut loop) keeps its order. Penalty 0: the gym's rewards exactly."""
+    ones score -0.5: the answers get advantage +1, the loops -1. Group 1 (a success, a cut loop, two
+    wrong answers): success > wrong > cut. Penalty 0: the gym's rewards exactly. Dynamic sampling, of
+    three groups where only one has a wrong answer beside a loop, keeps that one first."""
     stops = [('answer', 0.0), ('max_turns', 0.0), ('answer', 0.0), ('truncated', 0.0),
              ('answer', 1.0), ('budget', 0.0), ('answer', 0.0), ('answer', 0.0)]
     trajs = [Episode(r, True, i // 4, {'stop': s}) for i, (s, r) in enumerate(stops)]
