@@ -83,7 +83,9 @@ def test_has_signal_counts_groups_whose_valid_rewards_differ():
     assert has_signal(rewards, valid, groups) == {0: False, 1: True, 2: False, 3: False}  # 2: one valid; 3: one
 
 
-Traj = dataclasses.make_dataclass('Traj', ['reward', 'valid', 'group', ('info', dict, dataclasses.field(default_factory=dict))])  # what keep_groups_with_signal reads
+# what keep_groups_with_signal and training_rewards read of an episode
+Traj = dataclasses.make_dataclass('Traj', ['reward', 'valid', 'group',
+                                          ('info', dict, dataclasses.field(default_factory=dict))])
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_first_and_renumbers():
@@ -115,9 +117,6 @@ def test_dynamic_sampling_never_loops_when_no_group_has_signal(tmp_path, monkeyp
 # truncation_penalty: a loop that runs out of turns scores below a wrong answer
 
 
-Episode = dataclasses.make_dataclass('Episode', ['reward', 'valid', 'group', 'info'])  # what training_rewards reads
-
-
 def test_truncation_penalty_gives_signal_to_a_group_of_failures():
     """Group 0: two wrong answers and two episodes cut by a limit (the gym's own turn budget, the
     rollout's); all score 0, so the gym's rewards carry no signal. With truncation_penalty 0.5 the cut
@@ -126,7 +125,7 @@ def test_truncation_penalty_gives_signal_to_a_group_of_failures():
     three groups where only one has a wrong answer beside a loop, keeps that one first."""
     stops = [('answer', 0.0), ('max_turns', 0.0), ('answer', 0.0), ('truncated', 0.0),
              ('answer', 1.0), ('budget', 0.0), ('answer', 0.0), ('answer', 0.0)]
-    trajs = [Episode(r, True, i // 4, {'stop': s}) for i, (s, r) in enumerate(stops)]
+    trajs = [Traj(r, True, i // 4, {'stop': s}) for i, (s, r) in enumerate(stops)]
     assert training_rewards(trajs).tolist() == [t.reward for t in trajs]
     rewards = training_rewards(trajs, 0.5)
     assert rewards.tolist() == [0.0, -0.5, 0.0, -0.5, 1.0, -0.5, 0.0, 0.0]
@@ -141,7 +140,7 @@ def test_truncation_penalty_gives_signal_to_a_group_of_failures():
     adv, stats = compute_advantages(None, {}, dict(cfg, truncation_penalty=0.5), trajs, batch)
     assert torch.allclose(adv[:4, 0], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-5)
     assert adv[4, 0] > adv[6, 0] > adv[5, 0] and stats['zero_var_groups'] == 0.0  # success > wrong > cut
-    trajs = [Episode(0.0, True, g, {'stop': 'answer' if g == 2 and i else 'max_turns'}) for g in range(3)
+    trajs = [Traj(0.0, True, g, {'stop': 'answer' if g == 2 and i else 'max_turns'}) for g in range(3)
              for i in range(2)]  # only group 2 has a wrong answer beside a loop
     kept, zero_var = keep_groups_with_signal(trajs, 1, truncation_penalty=0.5)
     assert [t.info['stop'] for t in kept] == ['max_turns', 'answer'] and abs(zero_var - 2 / 3) < 1e-9
