@@ -58,6 +58,8 @@ config = dict(
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
     oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
+    show_budget=False,           # gym memory: each observation ends with 'turns left N' (under folding the policy
+                                 # cannot count its turns otherwise)
     val_tasks=0,                 # gym memory, bugfix: validation tasks (their own worlds / functions), evaluated after
                                  # held-out (eval_val_*); 0 = none
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)

@@ -32,7 +32,8 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
                           score_episode, strip_end_marker)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target')
+KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target',
+        'show_budget')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -61,6 +62,7 @@ RELATIONS = {
 }
 NOUN_TO_REL = {noun: rel for rel, (_, _, noun) in RELATIONS.items()}
 NO_RESULT = "no result"
+BUDGET_WORDS = "turns left"  # show_budget's last line of an observation: 'turns left 3'
 BAD_FORMAT = "error : bad format"
 
 
@@ -213,11 +215,15 @@ class MemoryEnv:
       response limit (finish='length') is malformed whatever its text (its text fails the format
       check anyway: a well-formed turn ends with a stop token, </search> or </answer>)
     - own budget: after max_turns turns without an answer the episode ends (stop='max_turns', 0).
+    - show_budget: every observation gets a last line 'turns left N', N = the turns left after this
+      one, counted to the smaller of the budget and turn_limit (the rollout's max_turns, which can end
+      the episode first). Under folding the observation is the only place a policy can read it.
     """
 
-    def __init__(self, max_turns=None, require_think=False, answer_reward='em'):
+    def __init__(self, max_turns=None, require_think=False, answer_reward='em', show_budget=False, turn_limit=None):
         self.max_turns, self.require_think = max_turns, require_think
         self.answer_reward = check_answer_reward(answer_reward)
+        self.show_budget, self.turn_limit = show_budget, turn_limit
 
     def reset(self, task):
         """Start an episode; returns the prompt (the question words)."""
@@ -247,6 +253,8 @@ class MemoryEnv:
         else:
             self.n_invalid += 1
             obs = BAD_FORMAT
+        if self.show_budget:
+            obs += f"\n{BUDGET_WORDS} {min(self.budget, self.turn_limit or self.budget) - len(self.turns)}"
         if len(self.turns) >= self.budget:
             return obs, *self._finish("max_turns", None, turn_ok=action is not None)
         info["n_invalid"] = self.n_invalid
@@ -298,7 +306,7 @@ def oracle_mem(question, mem, obs, forget=False):
     objective that is not the last, keep its slot but not its answer (the lossy oracle)."""
     objectives = question.split(" ; ")
     segs = [s.split() for s in mem.split(";")] if mem else []
-    fact = (obs or "").split()
+    fact = (obs or "").split("\n")[0].split()  # the fact; show_budget's line after it is not part of it
     # fold the last observation into the pending segment: 'root e r1 r2 rest' + fact 'e r1 r2 o' -> 'root o rest'
     if segs and len(segs[-1]) >= 4 and len(fact) == 4 and segs[-1][1:4] == fact[:3]:
         segs[-1] = segs[-1][:1] + [fact[3]] + segs[-1][4:]
@@ -396,12 +404,15 @@ def play(task, policy, env=None):
 # vocabulary
 
 
-def memory_texts():
+def memory_texts(max_turns=0):
     """Texts covering every word the gym can emit or the oracle can write (names, relation words
-    and nouns, 'of', ';', messages, tags): build the word tokenizer's vocabulary from their words."""
+    and nouns, 'of', ';', messages, tags): build the word tokenizer's vocabulary from their words.
+    max_turns > 0 (show_budget): also 'turns left' and the numbers 0..max_turns."""
     texts = [" ".join(p) for p in POOLS.values()]
     texts += list(RELATIONS) + [" ".join(NOUN_TO_REL), "of ;", NO_RESULT, BAD_FORMAT]
     texts += [" ".join(f"<{t}> </{t}>" for t in TAGS)]
+    if max_turns:
+        texts += [BUDGET_WORDS + " " + " ".join(map(str, range(max_turns + 1)))]
     return texts
 
 
@@ -439,7 +450,7 @@ def setup(cfg, vocab=None):
     eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"], n_objectives=(1, k + 1))
     val_tasks = make_tasks("val", cfg["val_tasks"], seed=cfg["seed"], n_objectives=(1, k + 1))
     if cfg["model"] == "tiny":
-        tok = build_tokenizer(memory_texts(), vocab)
+        tok = build_tokenizer(memory_texts(cfg["max_turns"] if cfg["show_budget"] else 0), vocab)
         fmt = word_format(tok, memory=True)
     else:
         tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
@@ -451,5 +462,6 @@ def setup(cfg, vocab=None):
         policy = make_lossy_oracle(rng, p) if p else oracle_policy
         return folded_policy(with_detour(rng, detour, policy) if detour else policy)
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
-                make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"]), warm_policy=warm, baselines={},
+                make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"], show_budget=cfg["show_budget"],
+                                           turn_limit=cfg["max_turns"]), warm_policy=warm, baselines={},
                 answer_text=answer_text)

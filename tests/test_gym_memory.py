@@ -425,3 +425,41 @@ def _said(task, policy):
     said = []
     g.play(task, lambda q, m, o: said.append(policy(q, m, o)) or said[-1])
     return said
+
+
+def test_show_budget_counts_down_the_turns_left_and_the_oracle_still_succeeds():
+    tasks = g.make_tasks("heldout", 60, seed=3)
+    for t in tasks:
+        env = g.MemoryEnv(show_budget=True, turn_limit=10)
+        turns, obs, reward, info = g.play(t, g.oracle_policy, env)
+        assert info["success"] and turns == g.play(t, g.oracle_policy)[0]  # the budget line changes no oracle turn
+        budget = min(2 + sum(t.hops), 10)
+        assert [o.split("\n")[-1] for o in obs[:-1]] == [f"turns left {budget - n}" for n in range(1, len(turns))]
+        assert all(o.split("\n")[0] == p for o, p in zip(obs, g.play(t, g.oracle_policy)[1]))  # the fact line unchanged
+    # a wasted turn is counted too; the last line before the budget ends reads 1
+    t = next(t for t in tasks if sum(t.hops) == 4)
+    env = g.MemoryEnv(show_budget=True)
+    env.reset(t)
+    seen = [env.step("m </mem> <search> nobody born in </search>")[0] for _ in range(5)]
+    assert seen == [f"{g.NO_RESULT}\nturns left {n}" for n in (5, 4, 3, 2, 1)]
+    _, r, done, info = env.step("m </mem> <search> nobody born in </search>")
+    assert done and r == 0.0 and info["stop"] == "max_turns"
+
+
+def test_show_budget_words_are_in_the_tiny_vocabulary_only_when_on():
+    from config import config as defaults, load_config
+    args = ["config/tiny_mem.yaml", "--train_tasks=4", "--eval_tasks=4"]
+    cfg_on = load_config(args + ["--show_budget=true"])
+    off, on = gym.load_gym(load_config(args)), gym.load_gym(cfg_on)
+    added = {"turns", "left"} | {str(n) for n in range(cfg_on["max_turns"] + 1)}
+    assert set(on["tok"].itos) - set(off["tok"].itos) == added and not added & set(off["tok"].itos)
+    t = on["eval_tasks"][0]
+    env = on["make_env"]()
+    env.reset(t)
+    obs = env.step("x </mem> <search> nobody born in </search>")[0]
+    assert obs == f"{g.NO_RESULT}\nturns left {min(2 + sum(t.hops), cfg_on['max_turns']) - 1}"
+    on["fmt"].observation(obs)  # every word encodes (OutOfVocabulary otherwise)
+    with pytest.raises(gym.OutOfVocabulary):
+        off["fmt"].observation(obs)
+    with pytest.raises(SystemExit):  # a gym that shows no budget refuses the key
+        gym.load_gym(load_config(["config/tiny.yaml", "--show_budget=true"]), None, defaults)
