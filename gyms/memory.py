@@ -254,7 +254,7 @@ class MemoryEnv:
             self.n_invalid += 1
             obs = BAD_FORMAT
         if self.show_budget:
-            obs += f"\n{BUDGET_WORDS} {min(self.budget, self.turn_limit or self.budget) - len(self.turns)}"
+            obs += f"\n{BUDGET_WORDS} {max(0, min(self.budget, self.turn_limit or self.budget) - len(self.turns))}"
         if len(self.turns) >= self.budget:
             return obs, *self._finish("max_turns", None, turn_ok=action is not None)
         info["n_invalid"] = self.n_invalid
