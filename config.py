@@ -24,28 +24,29 @@ from gym import fail, gym_module  # fail: one line `error: ...`, exit status 2; 
 config = dict(
     # run
     gym='bugfix',                # a file in gyms/: bugfix | memory | searchqa | quixbugs | example
-    seed=1337,
-    device='cpu',
+    seed=1337,                   # seeds Python's, torch's and the gym's generators; same seed, same run
+    device='cpu',                # cpu | cuda | cuda:N
     dtype='float32',             # float32 | bfloat16 (autocast, CUDA and CPU) | auto: bf16 where the device has it natively
     threads=0,                   # torch CPU threads; 0 = torch's default
-    out_dir='out',
+    out_dir='out',               # checkpoints, metrics.jsonl, config.json, curves.png
     resume=False,                # continue from the newest checkpoint in out_dir
     overwrite=False,             # a fresh run in an out_dir holding another run's checkpoints: replace them
     compile=False,               # torch.compile the policy (CUDA)
     # model
     model='tiny',                # tiny | a Hugging Face name or path
-    gguf_file='',
+    gguf_file='',                # a .gguf file inside model's folder or Hub repo (transformers dequantises it)
     chat_template='',            # '' = the model's own; 'qwen3' = ours (templates/qwen3.jinja, with tools); or a .jinja path
-    n_layer=2, n_head=4, n_embd=128, max_len=256,
-    grad_checkpointing=False,
+    n_layer=2, n_head=4, n_embd=128,  # model tiny and tiny-qwen3: the shape of the from-scratch transformer
+    max_len=256,                 # tokens a context may hold; an episode that would pass it stops (truncated)
+    grad_checkpointing=False,    # recompute activations in the backward (Hugging Face models): less memory, slower
     lora_rank=0,                 # > 0: train LoRA adapters of this rank only (optional package peft); 0: every weight
     lora_alpha=32.0,             # LoRA scale alpha / rank
     enable_thinking=False,       # chat templates with a thinking switch (Qwen3)
     require_think=False,         # gym searchqa: every turn needs <think> (always when enable_thinking)
     # rollout
-    max_turns=12,
+    max_turns=12,                # policy turns per episode; the episode stops (truncated) after the last
     max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
-    temperature=1.0,
+    temperature=1.0,             # sampling temperature of rollouts (evaluation's greedy runs ignore it)
     keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
     kv_reuse=False,              # keep the KV cache of the prefix a turn shares with the last one (rollout.py)
     # gym data and sizes
@@ -67,9 +68,9 @@ config = dict(
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
     eval_samples=4,              # sampled episodes per held-out task at each evaluation
     # warm start (SFT on scripted episodes)
-    warmstart_episodes=512,
-    warmstart_steps=200,
-    warmstart_lr=3e-3,
+    warmstart_episodes=512,      # scripted episodes the warm start imitates (0 steps: no warm start)
+    warmstart_steps=200,         # optimizer steps of the warm start
+    warmstart_lr=3e-3,           # peak lr of the warm start (warm-up, then cosine decay to a tenth)
     warmstart_batch_size=32,     # episodes per step, with all their rows (folding: one row per turn)
     warmstart_full=False,        # folding: each scripted episode also trains as one row with its full history
                                  # (the context MemPO's P_full reads; advantage.memory_rewards)
@@ -77,18 +78,18 @@ config = dict(
     steps=100,                   # RL steps; 0: the warm start and the step-0 evaluation only
     batch_size=8,                # tasks per step
     group_size=8,                # rollouts per task
-    lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,
-    warmup_steps=5,
+    lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,  # AdamW of the RL steps
+    warmup_steps=5,              # RL steps of linear lr warm-up from 0
     min_lr=-1.0,                 # >= 0: cosine decay from lr to min_lr over the RL steps after warm-up; < 0: constant lr
-    grad_clip=1.0,
-    ppo_epochs=1,
+    grad_clip=1.0,               # clip the gradient's global norm to this (0: no clipping)
+    ppo_epochs=1,                # passes over a step's rollouts
     mini_batches=2,              # mini-batches per epoch (each an optimizer step)
-    clip_low=0.2, clip_high=0.28,
-    kl_coef=0.0,
+    clip_low=0.2, clip_high=0.28,  # PPO's ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
+    kl_coef=0.0,                 # weight of the KL penalty to the frozen reference (the policy after the warm start)
     kl_type='k3',                # k1 | k2 | k3
     loss_agg='token-mean',       # token-mean | seq-mean | drgrpo
     adv_std=True,                # divide by the group std (False: Dr.GRPO's r - mean)
-    adv_eps=1e-6,
+    adv_eps=1e-6,                # added to a group's std before dividing
     mem_coef=0.0,                # weight of MemPO's memory advantage on <mem> tokens
     mem_pool='group',            # the memory reward normalised over: 'group' (MemPO) | 'turn' (group x turn index)
     mem_std=True,                # divide the memory reward by its pool's std (False: centred only)
@@ -104,11 +105,11 @@ config = dict(
     skip_zero_advantage=False,   # the update skips the forward and backward of rows whose advantages are all 0 (their
                                  # gradient is 0 without a KL term): same step up to rounding, metrics over rows trained
     max_tokens_per_microbatch=16384,  # padded tokens a forward + backward holds at once; activations grow with it
-    max_bad_steps=3,
+    max_bad_steps=3,             # stop (exit 1) after this many steps in a row with a non-finite loss
     # logging
-    eval_every=25,
+    eval_every=25,               # evaluate every N RL steps; 0: at step 0 and the last step only
     log_every=10,                # a plain progress line every log_every steps when stderr is not a terminal
-    save_every=25,
+    save_every=25,               # checkpoint every N RL steps; 0: at step 0 and the last step only
     keep_checkpoints=2,          # the newest N checkpoints stay, and step 0's (the warm start, which recipes resume from)
     tensorboard=False,           # mirror metrics.jsonl to TensorBoard (out_dir/tb) if tensorboard is installed
     wandb_project='',            # mirror metrics.jsonl to this Weights & Biases project if wandb is installed

@@ -151,7 +151,7 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         first = False
         if signal:  # else the true gradient is 0 (docstring): no step, not even AdamW's weight decay
             sync_gradients(model)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip']))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'] or math.inf))
             if not (math.isfinite(total) and math.isfinite(grad_norm)):
                 m['bad_steps'] += 1  # a non-finite loss never reaches the weights
                 opt.zero_grad(set_to_none=True)
@@ -305,7 +305,7 @@ def warm_start(model, gym_, cfg, rng):
             continue  # Adam's momentum would still move the weights
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'] or math.inf)
         opt.step()
     return sum(losses[-10:]) / len(losses[-10:])
 

@@ -205,3 +205,12 @@ def test_every_shipped_config_loads(path):
     cfg = load_config([path])
     gym_module(cfg, config)
     assert cfg['gym'] in gym_modules()
+
+
+def test_every_config_key_is_explained_in_config_py():
+    """--help says each key is explained in config.py: every key's line in the defaults has a comment."""
+    src = open(os.path.join(os.path.dirname(__file__), '..', 'config.py')).read()
+    lines = src[src.index('config = dict('):src.index('\nTYPES')].splitlines()[1:]
+    silent = [line.split('=')[0].strip() for line in lines if '=' in line and '#' not in line]
+    assert not silent, f'config keys without a comment in config.py: {silent}'
+    assert all(any(line.lstrip().startswith(k + '=') or f' {k}=' in line for line in lines) for k in config)

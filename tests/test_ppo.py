@@ -41,11 +41,11 @@ def test_ratio_is_one_on_first_minibatch_before_any_step():
     assert m['grad_norm'] > 0
 
 
-def grads_after(model, batch, adv, cfg, budget, loss_agg):
+def grads_after(model, batch, adv, cfg, budget, loss_agg, grad_clip=1e9):
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves weights, we read gradients
     ppo_update(model, opt, batch, adv, None, dict(cfg, mini_batches=1, max_tokens_per_microbatch=budget,
-                                                  loss_agg=loss_agg, grad_clip=1e9), random.Random(0))
+                                                  loss_agg=loss_agg, grad_clip=grad_clip), random.Random(0))
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
@@ -106,6 +106,16 @@ def test_kl_estimators_sign_and_values():
     assert torch.isfinite(k3).all() and (k3 >= 0).all()  # clamped: exp(50) would overflow float32
     assert torch.allclose(k3[:2], torch.exp(-lr[:2]) + lr[:2] - 1)
     assert kl_penalty(ref, ref, 'k3').abs().max() == 0
+
+
+def test_grad_clip_zero_means_no_clipping():
+    """grad_clip: 0 leaves the gradient as it is (torch's clip_grad_norm_ with max_norm 0 would zero it)."""
+    model, batch, adv, cfg = setup(keep=1, n=8)
+    unclipped = grads_after(model, batch, adv, cfg, 10 ** 9, 'token-mean')
+    assert unclipped.norm() > 1e-3
+    assert torch.equal(grads_after(model, batch, adv, cfg, 10 ** 9, 'token-mean', grad_clip=0), unclipped)
+    clipped = grads_after(model, batch, adv, cfg, 10 ** 9, 'token-mean', grad_clip=1e-3)
+    assert torch.allclose(clipped.norm(), torch.tensor(1e-3), rtol=1e-3)
 
 
 def test_invalid_episodes_get_zero_weight():
