@@ -185,7 +185,8 @@ def read_config_file(path, argv):
     about '--steps 3'). A missing file, bad YAML, a key written twice, a file that is not a mapping or
     one that sets no key exits 2 with one line naming the file."""
     if not os.path.isfile(path):
-        bare = next((a for a in argv if a.startswith('--') and '=' not in a), None)  # '--steps 3' for '--steps=3'
+        bare = next((a for a in argv if a.startswith('--') and '=' not in a  # '--steps 3' for '--steps=3'
+                     and not isinstance(config.get(a[2:]), bool)), None)  # a bare --resume is whole
         key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
         fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
              + (f" (flags take their value after '=': {bare}={path})" if bare else
@@ -216,8 +217,9 @@ def load_config(argv, defaults=config):
     """defaults <- YAML files <- --key=value, each kind in its order on the command line; a --key=value
     overrides every file wherever it stands (`--steps=3 config/tiny.yaml` runs 3 steps), and of a key
     given twice on the command line the last counts (ablate.py appends overrides). Every value is
-    type-checked against the default. Any error exits with status 2 and one line naming the key or file."""
-    cfg, origin = dict(defaults), {}  # origin: key -> 'config file PATH: ' while a file's value stands
+    type-checked against the default; a bare --flag sets a bool key to True. Any error exits with status
+    2 and one line naming the key or file."""
+    cfg, origin = dict(defaults), {}  # origin: key set -> 'config file PATH: ', or '' from the command line
     for arg in sorted(argv, key=lambda a: a.startswith('--')):  # stable: files first, then flags
         if arg in ('-h', '--help'):
             print((sys.modules['__main__'].__doc__ or '').strip())
@@ -226,19 +228,22 @@ def load_config(argv, defaults=config):
             sys.exit(0)
         if arg.startswith('--'):
             key, eq, raw = arg[2:].partition('=')
-            if not eq:
-                fail(f"'{arg}': write --key=value")
             if key not in cfg:
                 check_key(key, None, cfg)
+            if not eq and isinstance(cfg[key], bool):
+                raw = 'true'  # a bare --resume sets the flag, as in sample.py and ablate.py
+            elif not eq:
+                fail(f"--{key} needs a value, e.g. --{key}={cfg[key] if cfg[key] != '' else 'VALUE'}")
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
-            origin.pop(key, None)
+            origin[key] = ''
         else:
             for key, value in read_config_file(arg, argv).items():
                 origin[key] = f'config file {arg}: '
                 cfg[key] = check_key(key, value, cfg, origin[key])
     bad = check_values(cfg, defaults)
-    if bad:
-        fail(origin.get(bad[0], '') + bad[1])
+    if bad:  # name the file only when every key of the message that was set came from it
+        files = {origin[k] for k in ((bad[0],) if isinstance(bad[0], str) else bad[0]) if k in origin}
+        fail((files.pop() if len(files) == 1 else '') + bad[1])
     ktr = cfg['keep_tool_results']
     cfg['keep_tool_results'] = ktr if ktr == 'all' else int(ktr)
     cfg['out_dir'] = os.path.expanduser(cfg['out_dir'])
@@ -264,7 +269,7 @@ CHOICES = dict(mem_pool=('group', 'turn'), mem_target=('answer', 'found'), mem_b
 def check_values(cfg, defaults=config):
     """Ranges (RANGES, CHOICES) and combinations of a merged config's values (defaults: what they were
     merged onto, to tell a value set from one inherited). Returns None, or (key, one-line message)
-    for the first bad value: the key lets load_config name the file the value came from."""
+    for the first bad value (a tuple of keys for a combination): load_config names the file they came from."""
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         return 'keep_tool_results', f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}"
@@ -283,37 +288,41 @@ def check_values(cfg, defaults=config):
 
 
 def check_combinations(cfg, defaults):
-    """Values fine alone but not together (or not on this machine): (key, message) or None."""
+    """Values fine alone but not together (or not on this machine): (keys, message) or None."""
     tiny, out_dir = cfg['model'] == 'tiny', os.path.expanduser(cfg['out_dir'])
     try:
         dev = torch.device(cfg['device'])
     except RuntimeError:
         return 'device', f"config key 'device': unknown device {cfg['device']!r} (cpu, cuda, cuda:N)"
     shape = next((k for k in ('n_layer', 'n_head', 'n_embd') if not tiny and cfg[k] != defaults[k]), None)
-    rules = [  # (wrong, key, message)
-        (cfg['mini_batches'] > cfg['batch_size'] * cfg['group_size'], 'mini_batches',  # some steps would have no episode
+    rules = [  # (wrong, key or the keys it names, message)
+        (cfg['mini_batches'] > cfg['batch_size'] * cfg['group_size'],  # some steps would have no episode
+         ('mini_batches', 'batch_size', 'group_size'),
          f"config key 'mini_batches' ({cfg['mini_batches']}) is more than the {cfg['batch_size'] * cfg['group_size']} "
          f"episodes of a step (batch_size x group_size)"),
-        (cfg['min_lr'] > cfg['lr'], 'min_lr',
+        (cfg['min_lr'] > cfg['lr'], ('min_lr', 'lr'),
          f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"),
         (cfg['lora_alpha'] <= 0, 'lora_alpha', f"config key 'lora_alpha' must be > 0, got {cfg['lora_alpha']!r}"),
-        (cfg['chat_template'] and tiny, 'chat_template',
+        (cfg['chat_template'] and tiny, ('chat_template', 'model'),
          "config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template"),
-        (cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'), 'gguf_file',  # it would be ignored
+        (cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'), ('gguf_file', 'model'),  # ignored there
          f"config key 'gguf_file' names a file in a Hugging Face model folder or repo; model {cfg['model']!r} has none"),
-        (shape is not None, shape, f"config key '{shape}' sizes the tiny model; model {cfg['model']!r} has its own (drop it)"),
-        (cfg['lora_rank'] and tiny, 'lora_rank',
+        (shape is not None, (shape, 'model'),
+         f"config key '{shape}' sizes the tiny model; model {cfg['model']!r} has its own (drop it)"),
+        (cfg['lora_rank'] and tiny, ('lora_rank', 'model'),
          "config key 'lora_rank' needs a Hugging Face model (model: tiny-qwen3, smollm2 or a name/path), not 'tiny'"),
-        (tiny and cfg['n_embd'] % cfg['n_head'], 'n_head', f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})"),
+        (tiny and cfg['n_embd'] % cfg['n_head'], ('n_head', 'n_embd'),
+         f"config key 'n_head' ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})"),
         (cfg['threads'] > (os.cpu_count() or 1), 'threads',
          f"config key 'threads' ({cfg['threads']}) is more than this machine's {os.cpu_count()} cores"),
-        (cfg['max_len'] < cfg['max_response_tokens'] + 16, 'max_len', f"config key 'max_len' ({cfg['max_len']}) leaves no "
-         f"room for a prompt and a response of max_response_tokens={cfg['max_response_tokens']}"),
+        (cfg['max_len'] < cfg['max_response_tokens'] + 16, ('max_len', 'max_response_tokens'),
+         f"config key 'max_len' ({cfg['max_len']}) leaves no room for a prompt and a response of "
+         f"max_response_tokens={cfg['max_response_tokens']}"),
         (cfg['temperature'] <= 0, 'temperature',
          f"config key 'temperature' must be > 0 for training (evaluation also runs greedy), got {cfg['temperature']!r}"),
         (dev.type not in ('cpu', 'cuda'), 'device', f"config key 'device': {cfg['device']!r} is not supported (cpu, cuda, cuda:N)"),
         (cfg['clip_low'] >= 1, 'clip_low', f"config key 'clip_low' must be below 1, got {cfg['clip_low']!r}"),  # ratio >= 0
-        (cfg['resume'] and cfg['overwrite'], 'resume',
+        (cfg['resume'] and cfg['overwrite'], ('resume', 'overwrite'),
          "--resume=True continues the run in out_dir and --overwrite=True replaces it: choose one"),
         (not out_dir.strip(), 'out_dir', "config key 'out_dir' is empty: name the run's folder (e.g. out/run1)"),
         (os.path.exists(out_dir) and not os.path.isdir(out_dir), 'out_dir',

@@ -54,6 +54,8 @@ def run_train(*args):
     (['--chat_template=qwen3'], "config key 'chat_template' needs a Hugging Face model"),
     (['config/tiny_qwen3_quixbugs.yaml', '--lora_rank=1000'], "config key 'lora_rank' (1000) is above the model's hidden size"),
     (['config/smoke.yaml', '--steps', '3'], "config file not found: 3 (flags take their value after '=': --steps=3)"),
+    (['--steps'], "--steps needs a value, e.g. --steps=100"),
+    (['--resume', '--overwrite'], '--resume=True continues the run in out_dir and --overwrite=True replaces it'),  # bare flags set True
     (['config/smoke.yaml', 'steps=3'], "config file not found: steps=3 (a config key is written --steps=3)"),
     (['--log_every=0'], "config key 'log_every' must be >= 1, got 0"),
     (['--batch_size=2', '--group_size=2', '--mini_batches=5'],
@@ -87,6 +89,19 @@ def test_refusals_print_and_make_nothing_first(tmp_path):
     (tmp_path / 'run' / 'metrics.jsonl').write_text('{"step": 0}\n')  # an earlier run: refused before the set-up
     p = run_train(f'--out_dir={tmp_path / "run"}')
     assert p.returncode == 2 and p.stdout == '' and 'holds an earlier run' in p.stderr
+
+
+def test_combination_error_names_a_file_only_when_every_key_set_came_from_it(tmp_path, capsys):
+    f, g = tmp_path / 'head.yaml', tmp_path / 'both.yaml'
+    f.write_text('n_head: 3\n')
+    g.write_text('n_head: 4\nn_embd: 130\n')
+    for argv, error in (([str(f)], f"config file {f}: config key 'n_head' (3) must divide n_embd (128)"),  # n_embd default
+                        ([str(g)], f"config file {g}: config key 'n_head' (4) must divide n_embd (130)"),
+                        ([str(g), '--n_head=3'], "config key 'n_head' (3) must divide n_embd (130)"),  # from 2 places
+                        ([str(f), '--n_embd=130'], "config key 'n_head' (3) must divide n_embd (130)")):
+        with pytest.raises(SystemExit):
+            load_config(argv)
+        assert capsys.readouterr().err == f'error: {error}\n', argv
 
 
 def test_bad_yaml_file_exit_2(tmp_path):
@@ -127,6 +142,13 @@ def test_config_order_defaults_file_cli(tmp_path):
     g.write_text('steps: 8\n')
     assert load_config(['--steps=9', str(f)])['steps'] == 9 and load_config([str(g), str(f)])['steps'] == 7
     assert load_config(['--steps=9', str(f), '--steps=10'])['steps'] == 10
+    assert load_config(['--resume'])['resume'] is True and load_config(['--resume', '--resume=false'])['resume'] is False
+
+
+def test_bare_bool_flag_is_not_taken_for_a_flag_missing_its_value(capsys):
+    with pytest.raises(SystemExit):
+        load_config(['--resume', 'no/such/run'])  # not "--resume=no/such/run": a bare --resume is whole
+    assert capsys.readouterr().err == 'error: config file not found: no/such/run\n'
 
 
 @pytest.mark.parametrize('content, needle', [
