@@ -338,16 +338,22 @@ def check_run(cfg, master=True):
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     gym_module(cfg, config)
-    if cfg['dtype'] == 'auto':
-        cfg['dtype'], why = native_dtype(cfg['device'])
-        if master:
-            print(f"dtype auto: {cfg['dtype']} ({why})")
+    resolve_dtype(cfg, master)
     if master and cfg['kl_type'] == 'k1' and cfg['kl_coef']:
         print("warning: kl_type=k1 as a loss has zero gradient in expectation: the KL term holds nothing "
               "back (use k2 or k3)", file=sys.stderr)
     if master and cfg['group_size'] == 1:
         print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
               "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
+
+
+def resolve_dtype(cfg, master=True):
+    """dtype: auto becomes native_dtype's choice for cfg['device'] (in place), printed with its reason on
+    rank 0, so train.py and sample.py compute in the same precision; float32 and bfloat16 stay."""
+    if cfg['dtype'] == 'auto':
+        cfg['dtype'], why = native_dtype(cfg['device'])
+        if master:
+            print(f"dtype auto: {cfg['dtype']} ({why})")
 
 
 def native_dtype(device, cpu_flags=None):

@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import config, fail, load_config, parse_options
+from config import config, fail, load_config, parse_options, resolve_dtype
 from gym import OWNER, load_gym
 from model import load_policy
 from rollout import run_tasks
@@ -321,6 +321,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout'):
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         print('no CUDA here: running on cpu')
         cfg['device'] = 'cpu'
+    resolve_dtype(cfg)  # an untrained or scripted look at a dtype: auto config computes as train.py would
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them

@@ -335,6 +335,15 @@ def test_untrained_with_a_runs_out_dir_builds_that_runs_gym_and_model(memory, tm
     assert sample.load_run([f'--out_dir={tmp_path}', '--threads=1'], untrained=True)[0]['threads'] == 1  # argv on top
 
 
+def test_dtype_auto_is_resolved_as_train_py_resolves_it(tmp_path, capsys, monkeypatch):
+    # an untrained look at a dtype: auto config used to leave 'auto', which autocast reads as float32
+    import config as config_lib
+    monkeypatch.setattr(config_lib, 'native_dtype', lambda device: ('bfloat16', 'this CPU has avx512_bf16'))
+    got = sample.load_run([f"--out_dir={tmp_path / 'none'}", '--dtype=auto', '--n_layer=1'], untrained=True)[0]
+    assert got['dtype'] == 'bfloat16' and 'dtype auto: bfloat16 (this CPU has avx512_bf16)' in capsys.readouterr().out
+    assert sample.load_run([f"--out_dir={tmp_path / 'none'}", '--n_layer=1'], untrained=True)[0]['dtype'] == 'float32'
+
+
 def test_untrained_with_a_damaged_config_json_is_one_line(tmp_path, capsys):
     for text, what in (('{"gym": "mem', 'is not a readable config (JSONDecodeError)'), ('[1, 2]', 'holds a list, not a config (a JSON object)')):
         (tmp_path / 'config.json').write_text(text)
