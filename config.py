@@ -185,8 +185,9 @@ def read_config_file(path, argv):
     about '--steps 3'). A missing file, bad YAML, a key written twice, a file that is not a mapping or
     one that sets no key exits 2 with one line naming the file."""
     if not os.path.isfile(path):
-        bare = next((a for a in argv if a.startswith('--') and '=' not in a  # '--steps 3' for '--steps=3'
-                     and not isinstance(config.get(a[2:]), bool)), None)  # a bare --resume is whole
+        bools = ('true', 'false', 'yes', 'no', '1', '0')  # '--resume false' for '--resume=false'; a bare --resume is whole
+        bare = next((a for a in argv if a.startswith('--') and '=' not in a and a not in ('--help', '-h')
+                     and (not isinstance(config.get(a[2:]), bool) or path.lower() in bools)), None)
         key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
         fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
              + (f" (flags take their value after '=': {bare}={path})" if bare else
@@ -232,8 +233,8 @@ def load_config(argv, defaults=config):
                 check_key(key, None, cfg)
             if not eq and isinstance(cfg[key], bool):
                 raw = 'true'  # a bare --resume sets the flag, as in sample.py and ablate.py
-            elif not eq:
-                fail(f"--{key} needs a value, e.g. --{key}={cfg[key] if cfg[key] != '' else 'VALUE'}")
+            elif not eq or (raw == '' and not isinstance(cfg[key], str)):  # --steps, --steps= (--chat_template= clears)
+                fail(f"--{key} needs a value, e.g. --{key}={defaults[key] if defaults[key] != '' else 'VALUE'}")
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
             origin[key] = ''
         else:
@@ -269,7 +270,7 @@ CHOICES = dict(mem_pool=('group', 'turn'), mem_target=('answer', 'found'), mem_b
 def check_values(cfg, defaults=config):
     """Ranges (RANGES, CHOICES) and combinations of a merged config's values (defaults: what they were
     merged onto, to tell a value set from one inherited). Returns None, or (key, one-line message)
-    for the first bad value (a tuple of keys for a combination): load_config names the file they came from."""
+    for the first bad value (a combination names a tuple of keys): load_config names the file they came from."""
     ktr = cfg['keep_tool_results']
     if not (ktr == 'all' or (str(ktr).isdigit() and int(ktr) >= 1)):  # 3, '3'; not 0, -1, 'some'
         return 'keep_tool_results', f"config key 'keep_tool_results' expects 'all' or an integer >= 1, got {ktr!r}"
@@ -288,7 +289,8 @@ def check_values(cfg, defaults=config):
 
 
 def check_combinations(cfg, defaults):
-    """Values fine alone but not together (or not on this machine): (keys, message) or None."""
+    """Values fine alone but not together (or not on this machine): (a key or a tuple of the keys
+    involved, message) or None."""
     tiny, out_dir = cfg['model'] == 'tiny', os.path.expanduser(cfg['out_dir'])
     try:
         dev = torch.device(cfg['device'])

@@ -55,6 +55,8 @@ def run_train(*args):
     (['config/tiny_qwen3_quixbugs.yaml', '--lora_rank=1000'], "config key 'lora_rank' (1000) is above the model's hidden size"),
     (['config/smoke.yaml', '--steps', '3'], "config file not found: 3 (flags take their value after '=': --steps=3)"),
     (['--steps'], "--steps needs a value, e.g. --steps=100"),
+    (['--steps='], "--steps needs a value, e.g. --steps=100"),
+    (['--resume', 'false'], "config file not found: false (flags take their value after '=': --resume=false)"),
     (['--resume', '--overwrite'], '--resume=True continues the run in out_dir and --overwrite=True replaces it'),  # bare flags set True
     (['config/smoke.yaml', 'steps=3'], "config file not found: steps=3 (a config key is written --steps=3)"),
     (['--log_every=0'], "config key 'log_every' must be >= 1, got 0"),

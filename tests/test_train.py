@@ -416,6 +416,22 @@ def test_truncation_is_logged_by_limit_and_by_k():
     assert (m['eval_val_truncation_rate_k1'], m['eval_val_truncation_rate_k2'], m['eval_val_truncation_rate_k3']) == (0, 0, 1)
 
 
+def test_an_episode_the_rollout_cut_counts_at_its_tasks_k():
+    # the rollout's own cut (max_len, its turn cap) ends an episode with info {} (or a mid-episode step's
+    # info): it used to land in k = 1 and, first in a batch, to drop every EM metric of the step
+    from types import SimpleNamespace as NS
+    import report
+    two, one = NS(golds=[['arvenia'], ['bo']]), NS(golds=[['x']])
+    eps = [report.summarise(NS(reward=0.0, valid=True, task=two, info=dict(stop='truncated'))),
+           report.summarise(NS(reward=2.0, valid=True, task=two, info=dict(stop='answer', k=2, em=1.0, f1=1.0))),
+           report.summarise(NS(reward=1.0, valid=True, task=one, info=dict(stop='answer', k=1, em=1.0, f1=1.0)))]
+    assert eps[0]['k'] == 2 and eps[0]['em'] == 0.0
+    m = report.episode_metrics(eps, 'eval_')
+    assert (m['eval_em'], m['eval_em_k1'], m['eval_em_k2']) == (2 / 3, 1.0, 0.5)
+    assert (m['eval_truncation_rate_k1'], m['eval_truncation_rate_k2']) == (0.0, 0.5)
+    assert 'k' not in report.summarise(NS(reward=0.0, valid=True, task=7, info={}))  # a task without golds: no k
+
+
 def test_memory_quality_reaches_the_episode_metrics():
     """env info -> Trajectory -> summarise -> episode_metrics, per k, through the rollout: the lossy
     oracle forgets every answer but the last, so quality is 1 at k = 1 and below 1 at k >= 2."""
