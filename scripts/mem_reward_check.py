@@ -21,7 +21,7 @@ import torch
 import advantage
 import report
 import rollout
-from config import config, fail, load_config
+from config import config, fail, load_config, resolve_dtype
 from gym import load_gym
 from gyms import memory as gm
 from model import load_policy
@@ -66,6 +66,7 @@ def check(out_dir, overrides=(), n_tasks=64):
     if cfg['gym'] != 'memory':
         fail(f"{out_dir} is a {cfg['gym']!r} run; memory quality is defined by the memory gym")
     cfg['device'] = 'cpu'
+    resolve_dtype(cfg, master=False)  # an override --dtype=auto computes as train.py would
     gym_ = load_gym(cfg, state.get('vocab'), config)
     model = load_policy(cfg, gym_['tok'].vocab_size)
     model.load_state_dict(state['model'])
