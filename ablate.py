@@ -51,7 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from report import read_metrics, read_run_config
-from config import config as config_defaults, fail, load_config, parse_options, resolve_dtype
+from config import config as config_defaults, fail, load_config, parse_options
 from gym import gym_module
 
 VARIANTS = {  # name -> overrides on top of the config file; --variants picks some (default: the first three)
@@ -171,7 +171,6 @@ def run_config(config, variant, seed, out_dir, extra):
     args = [config, *{**VARIANTS, **MAIN_VARIANTS}[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
     cfg = load_config(args)
     gym_module(cfg, config_defaults)  # a gym-specific key this gym ignores stops here too, before any run
-    resolve_dtype(cfg, master=False)  # as train.py will: its config.json holds bfloat16 or float32, never auto
     if variant == 'mempo' and not cfg['mem_coef']:  # three variants that differ in nothing the table could show
         fail(f"{config}: mem_coef is 0, so the mempo variant would be grpo_fold; the ablation needs a config with "
              f"mem_coef > 0 (a gym whose turns write <mem>, e.g. config/tiny_mem.yaml)")
@@ -190,7 +189,9 @@ def is_finished(out_dir, cfg):
         return False
     # out_dir is where the run lies, not how it ran: '/abs/out/x' and 'out/x' are one finished run (a
     # mismatch here would rerun it with --overwrite, deleting its checkpoints)
-    same = all(saved.get(k) == v for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite', 'out_dir'))
+    # dtype: auto is saved as what it chose (bfloat16 or float32, by the machine): either is that run
+    same = all(saved.get(k) == v or (k == 'dtype' and v == 'auto' and saved.get(k) in ('bfloat16', 'float32'))
+               for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite', 'out_dir'))
     return same and last['step'] == cfg['steps']
 
 

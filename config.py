@@ -185,9 +185,10 @@ def read_config_file(path, argv):
     about '--steps 3'). A missing file, bad YAML, a key written twice, a file that is not a mapping or
     one that sets no key exits 2 with one line naming the file."""
     if not os.path.isfile(path):
-        bools = ('true', 'false', 'yes', 'no', '1', '0')  # '--resume false' for '--resume=false'; a bare --resume is whole
-        bare = next((a for a in argv if a.startswith('--') and '=' not in a and a not in ('--help', '-h')
-                     and (not isinstance(config.get(a[2:]), bool) or path.lower() in bools)), None)
+        before = argv[argv.index(path) - 1] if argv.index(path) else ''  # '--steps 3' for '--steps=3'
+        bare = before if before.startswith('--') and '=' not in before and before != '--help' and (
+            not isinstance(config.get(before[2:]), bool) or path.lower() in ('true', 'false', 'yes', 'no', '1', '0')) \
+            else None  # a bare --resume is whole, unless a true/false follows it
         key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
         fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
              + (f" (flags take their value after '=': {bare}={path})" if bare else
@@ -233,7 +234,7 @@ def load_config(argv, defaults=config):
                 check_key(key, None, cfg)
             if not eq and isinstance(cfg[key], bool):
                 raw = 'true'  # a bare --resume sets the flag, as in sample.py and ablate.py
-            elif not eq or (raw == '' and not isinstance(cfg[key], str)):  # --steps, --steps= (--chat_template= clears)
+            elif not eq or (raw == '' and not isinstance(defaults[key], str)):  # --steps, --steps= (--chat_template= clears)
                 fail(f"--{key} needs a value, e.g. --{key}={defaults[key] if defaults[key] != '' else 'VALUE'}")
             cfg[key] = check_key(key, parse_value(key, raw, cfg[key]), cfg)
             origin[key] = ''

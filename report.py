@@ -30,14 +30,16 @@ MACHINE_KEYS = ('step_time_s', 'rollout_time_s', 'update_time_s', 'eval_time_s',
 
 def summarise(t):
     """The numbers of one episode that metrics need (small, so ranks can exchange them). An answer
-    episode (task.golds) that the rollout cut has no scores in its info: it counts as EM 0 at its
-    task's k, not at k = 1."""
+    episode (task.golds: one alias list per objective) that the rollout cut, or an env error ended,
+    has no scores in its info: it counts as EM 0 at its task's k, not at k = 1."""
     keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns', 'mem_quality', 'n_invalid', 'format_ok')
     out = dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
                **{k: t.info[k] for k in keys if k in t.info})
     golds = getattr(getattr(t, 'task', None), 'golds', None)  # an answer gym's task: one alias list per objective
-    if golds is not None and 'k' not in out:  # cut by the rollout before the gym scored it: its k, no answer
-        out.update(k=len(golds), em=0.0, f1=0.0)
+    if golds is not None and 'k' not in out:  # cut by the rollout (or an env error) before the gym scored it
+        out['k'] = len(golds)
+        out.setdefault('em', 0.0)
+        out.setdefault('f1', 0.0)
     if 'mem_rewards' in t.info:  # (memory reward, memory quality) of each scored turn: does the reward track it?
         out['mem_pairs'] = [(r, q) for r, q in zip(t.info['mem_rewards'], t.info.get('mem_quality_turns', ()))
                             if r is not None and q is not None]
@@ -66,7 +68,7 @@ def episode_metrics(eps, prefix=''):
         out[f'{prefix}format_ok'] = sum(bool(e.get('format_ok')) for e in eps) / n
         counted = [e for e in eps if 'n_invalid' in e]
         out[f'{prefix}turn_format_ok'] = 1 - sum(e['n_invalid'] for e in counted) / max(sum(e['n_turns'] for e in counted), 1)
-    if eps and 'em' in eps[0]:
+    if any('em' in e for e in eps):
         by_k = {}
         for e in eps:
             by_k.setdefault(e.get('k', 1), []).append(e)

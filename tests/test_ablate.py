@@ -256,17 +256,16 @@ def test_keys_that_would_undo_a_variant_or_a_seed_stop_with_one_line(args, needl
     assert ablate.parse_args(['--main', '--keep_tool_results=2'])[1] == ['--keep_tool_results=2']  # --main: a plain key
 
 
-def test_a_finished_dtype_auto_run_is_not_run_again(tmp_path, monkeypatch):
+def test_a_finished_dtype_auto_run_is_not_run_again(tmp_path):
     # train.py saves the dtype auto chose; ablate compared it with 'auto' and reran the finished run
     # with --overwrite=True (config/smollm2_memory.yaml has dtype: auto)
-    import config as config_lib
-    for native in ('bfloat16', 'float32'):
-        monkeypatch.setattr(config_lib, 'native_dtype', lambda device: (native, 'faked'))
-        _write_run(tmp_path, 'mempo', 1, 0.75, 60.0, ['--dtype=auto'])
-        saved = json.loads((tmp_path / 'mempo_s1' / 'config.json').read_text())
-        assert saved['dtype'] == native
-        cfg = ablate.run_config('config/tiny_mem.yaml', 'mempo', 1, str(tmp_path / 'mempo_s1'), ['--dtype=auto'])[1]
-        assert ablate.is_finished(str(tmp_path / 'mempo_s1'), cfg)
+    _write_run(tmp_path, 'mempo', 1, 0.75, 60.0)
+    d = tmp_path / 'mempo_s1'
+    saved = json.loads((d / 'config.json').read_text())
+    for chosen, asked, finished in (('bfloat16', 'auto', True), ('float32', 'auto', True), ('float32', 'bfloat16', False)):
+        (d / 'config.json').write_text(json.dumps(dict(saved, dtype=chosen)))  # as train.py saves it
+        cfg = ablate.run_config('config/tiny_mem.yaml', 'mempo', 1, str(d), [f'--dtype={asked}'])[1]
+        assert ablate.is_finished(str(d), cfg) is finished, (chosen, asked)
 
 
 def test_a_finished_run_named_by_another_path_is_not_run_again(tmp_path, monkeypatch, capsys):

@@ -57,6 +57,7 @@ def run_train(*args):
     (['--steps'], "--steps needs a value, e.g. --steps=100"),
     (['--steps='], "--steps needs a value, e.g. --steps=100"),
     (['--resume', 'false'], "config file not found: false (flags take their value after '=': --resume=false)"),
+    (['config/smoke.yaml', '--resume', '--steps', '1'], "config file not found: 1 (flags take their value after '=': --steps=1)"),
     (['--resume', '--overwrite'], '--resume=True continues the run in out_dir and --overwrite=True replaces it'),  # bare flags set True
     (['config/smoke.yaml', 'steps=3'], "config file not found: steps=3 (a config key is written --steps=3)"),
     (['--log_every=0'], "config key 'log_every' must be >= 1, got 0"),
