@@ -118,12 +118,15 @@ config = dict(
 TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
 
 
+TRUE_WORDS, FALSE_WORDS = ('true', '1', 'yes'), ('false', '0', 'no')  # what a bool key's value may be written as
+
+
 def parse_value(key, raw, default):
     """Parse --key=value by the default's type; bools accept true/false/1/0."""
     if isinstance(default, bool):
-        if raw.lower() in ('true', '1', 'yes'):
+        if raw.lower() in TRUE_WORDS:
             return True
-        if raw.lower() in ('false', '0', 'no'):
+        if raw.lower() in FALSE_WORDS:
             return False
         fail(f'--{key}={raw}: expected true or false')
     try:
@@ -185,9 +188,10 @@ def read_config_file(path, argv):
     about '--steps 3'). A missing file, bad YAML, a key written twice, a file that is not a mapping or
     one that sets no key exits 2 with one line naming the file."""
     if not os.path.isfile(path):
-        before = argv[argv.index(path) - 1] if argv.index(path) else ''  # '--steps 3' for '--steps=3'
+        i = argv.index(path)
+        before = argv[i - 1] if i else ''  # '--steps 3' for '--steps=3'
         bare = before if before.startswith('--') and '=' not in before and before != '--help' and (
-            not isinstance(config.get(before[2:]), bool) or path.lower() in ('true', 'false', 'yes', 'no', '1', '0')) \
+            not isinstance(config.get(before[2:]), bool) or path.lower() in TRUE_WORDS + FALSE_WORDS) \
             else None  # a bare --resume is whole, unless a true/false follows it
         key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
         fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
