@@ -3,7 +3,7 @@ MemPO ablation on the memory gym: three agents, several seeds, one table. With -
 of the main job instead.
 
     python ablate.py --jobs=2             # full: 3 variants x 3 seeds of config/tiny_mem.yaml (about 55 min on 2 CPU cores)
-    python ablate.py --quick              # 1 seed, short runs: checks the pipeline end to end (minutes)
+    python ablate.py --quick              # 1 seed, short runs in out/ablate_quick: checks the pipeline end to end (minutes)
     python ablate.py --seeds=1,2 --steps=40 --out=out/ablate2   # any --key=value goes to every train.py run
     python ablate.py --main --seeds=1,2,3 --jobs=2              # the main job (config/tiny.yaml) once per seed
 
@@ -20,7 +20,9 @@ per number of objectives k; with its minutes in RL steps and its EM at every eva
 curve). The table (mean +- standard error over seeds) is printed in markdown and written with the
 per-run numbers to OUT/ablation.json. The lossy set-up, where memory has to be learned by RL:
 `python ablate.py --seeds=1,2,3,4,5 --jobs=2 --oracle_forget=0.5 --out=out/ablate_lossy`. A run whose config.json matches and whose metrics already hold the final step is
-not run again (--rerun forces it); a run with other options runs again in the same out_dir.
+not run again (--rerun forces it). A finished run with other options in a run's out_dir stops ablate
+before any run, naming the options (--rerun replaces it, or choose another --out); an unfinished one
+(stopped, or failed) runs again from scratch. --quick writes to OUT_quick unless --out is given.
 
 Flags of this script: --main --quick --seeds=1,2,3 --out=DIR --config=FILE --ks=1,2,4,5 --jobs=1 --rerun --dry_run
 --variants=mempo,grpo_fold,grpo_full (any of VARIANTS, e.g. mempo_turn, mempo_found) --val (the table from the
@@ -96,6 +98,8 @@ def parse_args(argv):
     if opts['main']:
         opts['config'] = opts['config'] if given('config') else 'config/tiny.yaml'
         opts['out'] = opts['out'] if given('out') else 'out/seeds'
+    if opts['quick'] and not given('out'):  # short runs never land in (and replace) the full runs' folders
+        opts['out'] += '_quick'
     for key in ('seeds', 'ks', 'jobs'):
         try:
             opts[key] = [int(x) for x in str(opts[key]).split(',')]
@@ -177,22 +181,27 @@ def run_config(config, variant, seed, out_dir, extra):
     return [sys.executable, 'train.py', *args], cfg
 
 
-def is_finished(out_dir, cfg):
-    """True when the run in out_dir was run with config cfg (its config.json) and has logged its
-    evaluation at the final step. A run with other options is not finished: it runs again."""
+def finished_differences(out_dir, cfg):
+    """None when out_dir holds no finished run (no config.json, or no evaluation at its own final
+    step); else {key: (saved value, cfg's value)} for the options it ran with that differ from cfg
+    ({}: the run cfg asks for, finished)."""
     last = final_eval(os.path.join(out_dir, 'metrics.jsonl'))
     try:
         saved = read_run_config(out_dir)
     except ValueError:
-        return False
-    if last is None or saved is None:
-        return False
-    # out_dir is where the run lies, not how it ran: '/abs/out/x' and 'out/x' are one finished run (a
-    # mismatch here would rerun it with --overwrite, deleting its checkpoints)
+        return None
+    if last is None or saved is None or last['step'] != saved.get('steps'):
+        return None
+    # out_dir is where the run lies, not how it ran: '/abs/out/x' and 'out/x' are one finished run
     # dtype: auto is saved as what it chose (bfloat16 or float32, by the machine): either is that run
-    same = all(saved.get(k) == v or (k == 'dtype' and v == 'auto' and saved.get(k) in ('bfloat16', 'float32'))
-               for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite', 'out_dir'))
-    return same and last['step'] == cfg['steps']
+    return {k: (saved.get(k), v) for k, v in cfg.items() if k not in ('device', 'resume', 'overwrite', 'out_dir')
+            and saved.get(k) != v and not (k == 'dtype' and v == 'auto' and saved.get(k) in ('bfloat16', 'float32'))}
+
+
+def is_finished(out_dir, cfg):
+    """True when the run in out_dir was run with config cfg (its config.json) and has logged its
+    evaluation at the final step."""
+    return finished_differences(out_dir, cfg) == {}
 
 
 def mean_std(xs):
@@ -352,7 +361,12 @@ def main(argv):
         d = run_dir(opts['out'], variant, seed)
         cmd, cfg = run_config(opts['config'], variant, seed, d, extra)
         print('python ' + ' '.join(cmd[1:]), flush=True)
-        if not opts['dry_run'] and (opts['rerun'] or not is_finished(d, cfg)):
+        differences = finished_differences(d, cfg)
+        if differences and not opts['rerun']:  # every run goes with --overwrite: never over a finished run unasked
+            fail(f"{d} holds a finished run with other options ("
+                 + ', '.join(f'{k}: {old!r} there, {new!r} here' for k, (old, new) in sorted(differences.items()))
+                 + "): --rerun replaces it, or choose another --out")
+        if not opts['dry_run'] and (opts['rerun'] or differences != {}):
             todo.append((variant, seed, cmd, d))
     if opts['dry_run']:
         return None

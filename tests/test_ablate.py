@@ -85,8 +85,10 @@ def test_table_has_memory_quality_rl_time_and_learning_curve(tmp_path, capsys):
     assert saved['runs']['mempo'][1]['curve'] == {'0': 0.0, '50': 0.6}
 
 
-def test_finished_run_with_other_options_runs_again(tmp_path, monkeypatch, capsys):
-    """A finished run counts only for the options it ran with (config.json), not for any others."""
+def test_a_finished_run_with_other_options_is_never_replaced_unasked(tmp_path, monkeypatch, capsys):
+    """A finished run counts only for the options it ran with (config.json). Asked for other options
+    in its folder, ablate stops before any run, in one line naming them, and the run's files stay
+    (every run goes with --overwrite=True); --rerun replaces it; an unfinished run runs again."""
     for v in ablate.VARIANTS:
         _write_run(tmp_path, v, 1, 0.75, 60.0)
     started = []
@@ -100,14 +102,30 @@ def test_finished_run_with_other_options_runs_again(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(ablate.subprocess, 'run', fake_run)
     ablate.main([f'--out={tmp_path}', '--seeds=1'])
     assert started == []  # same options: reused
-    agg = ablate.main([f'--out={tmp_path}', '--seeds=1', '--lr=0.0005'])
-    assert len(started) == 3 and all('--lr=0.0005' in c for c in started) and agg['mempo']['em_k2'][0] == 0.25
-    for bad, needle in [('--bogus=1', "unknown config key 'bogus'"), ('--config=nope.yaml', 'config file not found: nope.yaml')]:
+    before = {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()}
+    for bad, needle in [('--lr=0.0005', 'mempo_s1 holds a finished run with other options (lr: 0.0001 there, 0.0005 here)'
+                                        ': --rerun replaces it, or choose another --out'),
+                        ('--bogus=1', "unknown config key 'bogus'"), ('--config=nope.yaml', 'config file not found: nope.yaml')]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:  # stops before any run, in one line
             ablate.main([f'--out={tmp_path}', '--seeds=1', bad])
         err = capsys.readouterr().err
-        assert e.value.code == 2 and needle in err and err.count('\n') == 1 and len(started) == 3
+        assert e.value.code == 2 and needle in err and err.count('\n') == 1 and started == []
+    assert {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()} == before  # nothing lost
+    agg = ablate.main([f'--out={tmp_path}', '--seeds=1', '--lr=0.0005', '--rerun'])
+    assert len(started) == 3 and all('--lr=0.0005' in c for c in started) and agg['mempo']['em_k2'][0] == 0.25
+    metrics = tmp_path / 'grpo_full_s1' / 'metrics.jsonl'  # stopped before its final evaluation: not finished
+    metrics.write_text(metrics.read_text().splitlines(True)[0])
+    ablate.main([f'--out={tmp_path}', '--seeds=1', '--lr=0.0005'])
+    assert len(started) == 4 and '--out_dir=' + str(tmp_path / 'grpo_full_s1') in started[-1]
+
+
+def test_quick_runs_land_in_their_own_folder():
+    # --quick's short runs in out/ablate would replace (or, now, stop at) the full ablation's runs
+    assert ablate.parse_args(['--quick'])[0]['out'] == 'out/ablate_quick'
+    assert ablate.parse_args(['--main', '--quick'])[0]['out'] == 'out/seeds_quick'
+    assert ablate.parse_args(['--quick', '--out=o'])[0]['out'] == 'o'
+    assert ablate.parse_args([])[0]['out'] == 'out/ablate' and ablate.parse_args(['--main'])[0]['out'] == 'out/seeds'
 
 
 def test_dry_run_prints_one_command_per_variant_and_seed(tmp_path, capsys):
