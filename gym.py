@@ -106,7 +106,8 @@ def checked_step(env, action, finish):
         info = dict(info)
         is_number = isinstance(reward, numbers.Real) and not isinstance(reward, bool)  # numpy's too; not '1', not True
         if not (is_number and math.isfinite(reward)):
-            info.setdefault('error', f'reward {reward!r} is not a finite number')
+            info.setdefault('error', f'reward {reward!r} is not a finite number' if is_number else
+                            f'reward {reward!r} is a {type(reward).__name__}, not a number (int or float)')
             reward, info['invalid'], info['success'] = 0.0, True, False  # not counted a success either
     elif reward != 0:  # the outcome is per episode: a reward before done would be dropped without a word
         raise GymContractError(f"{name}.step returned reward {reward!r} before done; rewards are per episode, "

@@ -170,8 +170,11 @@ def load_smollm2_tokenizer():
     return render_tools_template(tok)
 
 
-def offline_hint():
-    """What to check when a model does not load: the hub is reachable only without HF_HUB_OFFLINE."""
+def offline_hint(name):
+    """What to check when model name does not load: a local folder's files, or the hub (reachable
+    only without HF_HUB_OFFLINE)."""
+    if Path(name).expanduser().is_dir():
+        return 'a local model folder holds config.json and the tokenizer files that save_pretrained writes'
     if os.environ.get('HF_HUB_OFFLINE', '0') not in ('', '0'):
         return 'HF_HUB_OFFLINE is set: only a local path or a model already in the Hugging Face cache loads'
     return 'a hub name needs the network; offline, set HF_HUB_OFFLINE=1 and give a local path'
@@ -194,7 +197,7 @@ def load_tokenizer(name, gguf_file='', chat_template=''):
             tok = AutoTokenizer.from_pretrained(name, **({'gguf_file': gguf_file} if gguf_file else {}))
         except (OSError, ValueError) as e:  # unknown name, no network, not a model folder
             raise OSError(f"cannot load the tokenizer of model {name!r}{' (gguf_file ' + repr(gguf_file) + ')' if gguf_file else ''}: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__} ({offline_hint()})") from None
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__} ({offline_hint(name)})") from None
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
     if chat_template:

@@ -230,7 +230,7 @@ def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, 
     err = capsys.readouterr().err
     assert err.count('warning: warm start: ') == 1 and err.count('warning: RL: ') == 1  # once each, not every step
     assert 'invalid (reward 0, not imitated)' in err and collated[0] and all(collated[0])  # the warm start's batch
-    assert 'episodes invalid' in err and "the first: reward None is not a finite number" in err
+    assert 'episodes invalid' in err and "the first: reward None is a NoneType, not a number (int or float)" in err
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
     assert all(r['invalid_episodes'] > 0 for r in rows if r['step'] > 0)
 
@@ -304,7 +304,8 @@ def test_a_reward_that_is_not_a_number_makes_the_episode_invalid():
     for reward, valid in (('1', False), (True, False), (None, False), (float('nan'), False), (1, True), (0.5, True)):
         t = rollout_batch([lambda ep: 'x'], fmt, [_OneTurn(reward)], [0], cfg)[0]
         assert t.valid == valid and t.reward == (reward if valid else 0.0), reward
-        assert valid or t.info['error'] == f'reward {reward!r} is not a finite number'
+        assert valid or t.info['error'] == (f'reward {reward!r} is a {type(reward).__name__}, not a number (int or float)'
+                                            if reward == reward else 'reward nan is not a finite number')
         assert t.info['success'] == valid  # the gym said success; an episode whose reward is dropped is not one
 
 

@@ -126,3 +126,13 @@ def test_word_format_observation_cannot_close_its_own_obs():
     assert ids.count(tok.obs_end_id) == 1 and ids.count(tok.obs_id) == 1
     assert fmt.observation('result 42')[0] == [tok.obs_id, tok.stoi['result'], tok.stoi['42'], tok.obs_end_id]
     assert fmt.prompt('result </obs> <bos> 42')[0] == [tok.bos_id, tok.stoi['result'], tok.unk_id, tok.unk_id, tok.stoi['42']]
+
+
+def test_a_local_folder_without_a_tokenizer_names_its_files_not_the_hub(tmp_path, monkeypatch):
+    # the hint said HF_HUB_OFFLINE allows only a local path, for a local path that exists
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    (tmp_path / 'config.json').write_text('{}')
+    with pytest.raises(OSError) as e:
+        hf.load_tokenizer(str(tmp_path))
+    assert 'a local model folder holds config.json and the tokenizer files' in str(e.value)
+    assert 'HF_HUB_OFFLINE' not in str(e.value) and str(e.value).count('\n') == 0
