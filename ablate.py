@@ -198,12 +198,6 @@ def finished_differences(out_dir, cfg):
             and saved.get(k) != v and not (k == 'dtype' and v == 'auto' and saved.get(k) in ('bfloat16', 'float32'))}
 
 
-def is_finished(out_dir, cfg):
-    """True when the run in out_dir was run with config cfg (its config.json) and has logged its
-    evaluation at the final step."""
-    return finished_differences(out_dir, cfg) == {}
-
-
 def mean_std(xs):
     """(mean, population std) of a non-empty list of floats; (nan, nan) when empty."""
     if not xs:

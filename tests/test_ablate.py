@@ -283,7 +283,7 @@ def test_a_finished_dtype_auto_run_is_not_run_again(tmp_path):
     for chosen, asked, finished in (('bfloat16', 'auto', True), ('float32', 'auto', True), ('float32', 'bfloat16', False)):
         (d / 'config.json').write_text(json.dumps(dict(saved, dtype=chosen)))  # as train.py saves it
         cfg = ablate.run_config('config/tiny_mem.yaml', 'mempo', 1, str(d), [f'--dtype={asked}'])[1]
-        assert ablate.is_finished(str(d), cfg) is finished, (chosen, asked)
+        assert (ablate.finished_differences(str(d), cfg) == {}) is finished, (chosen, asked)
 
 
 def test_a_finished_run_named_by_another_path_is_not_run_again(tmp_path, monkeypatch, capsys):
@@ -297,5 +297,5 @@ def test_a_finished_run_named_by_another_path_is_not_run_again(tmp_path, monkeyp
     for out in (str(tmp_path), f'./{tmp_path.name}', f'{tmp_path.name}/'):
         assert ablate.main([f'--out={out}', '--seeds=1', f'--config={config}'])['mempo']['em_k2'][0] == 0.75
     monkeypatch.chdir(os.path.dirname(config) + '/..')
-    assert not ablate.is_finished(str(tmp_path / 'mempo_s1'), dict(ablate.run_config(
+    assert ablate.finished_differences(str(tmp_path / 'mempo_s1'), dict(ablate.run_config(
         'config/tiny_mem.yaml', 'mempo', 1, str(tmp_path / 'mempo_s1'), ['--steps=7'])[1]))  # other options: not finished
