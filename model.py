@@ -573,7 +573,7 @@ def batch_log_probs(model, batch, cfg, row_groups=None, mask=None):
     positions, 0 elsewhere (default every real token). Runs under autocast, as the update's forward."""
     out, dev = torch.zeros_like(batch['sample_logp']), cfg['device']
     lengths = batch['attention_mask'].sum(1).tolist()
-    for rows in row_groups or [torch.arange(len(lengths))]:
+    for rows in [torch.arange(len(lengths))] if row_groups is None else row_groups:
         for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
             r = rows[mb]
             L = max(lengths[i] for i in r.tolist())

@@ -103,13 +103,14 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     collate() of this rank's episodes; adv, ref_logp (or None) [R, T-1]; at_reference: is_reference().
     A mini-batch without signal (no advantage on a trained token and a KL term of 0) takes no step:
     Adam would turn its rounding gradient into a full step. A non-finite loss or gradient skips the
-    step (bad_steps). tis_cap > 0: PPO's old log-probs are the trainer's (batch_log_probs) and each
-    token's surrogate is weighted by tis_weights. skip_zero_advantage (without a KL term): rows whose
-    advantages are all 0 are left out of every forward and backward but kept in the normaliser, so
-    the step is the same up to rounding; the logged means (entropy, clip_frac, logp gap) are then
-    over the rows computed. Data parallel: episode_ids [N] index this rank's
-    episodes in the global batch of n_global, shuffled alike on every rank with global normalisers,
-    so N ranks take the step of one process. Returns a dict of metrics."""
+    step (bad_steps). tis_cap > 0: PPO's old log-probs are the trainer's (batch_log_probs; the first
+    mini-batch's from its own forward) and each token's surrogate is weighted by tis_weights.
+    skip_zero_advantage (without a KL term): rows whose advantages are all 0 are left out of every
+    forward and backward but kept in the normaliser, so the step is the same up to rounding; the
+    logged means (entropy, clip_frac, logp gap) are then over the rows computed. Data parallel:
+    episode_ids [N] index this rank's episodes in the global batch of n_global, shuffled alike on
+    every rank with global normalisers, so N ranks take the step of one process. Returns a dict of
+    metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
     mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # [R, T-1]; invalid episodes weigh 0
@@ -131,14 +132,10 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         plan.append([torch.nonzero(torch.isin(row_global, torch.tensor(order[i::cfg['mini_batches']]))).squeeze(1)
                      for i in range(cfg['mini_batches'])])
     old = batch['sample_logp']  # [R, T-1]; exact in float32 (logp_gap_max)
-    if cfg['tis_cap']:  # bf16: the trainer's own old log-probs, and each token weighted for the sampler's
-        mask_t = mask * trained[:, None]  # [R, T-1]: the tokens the update computes
-        old = batch_log_probs(model, batch, cfg, [rows[trained[rows]] for rows in plan[0]], mask_t)  # as the first
-        tis = tis_weights(old, batch['sample_logp'], mask_t, cfg['tis_cap'])  # epoch's forwards, before any step
-        adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched
-        n_pol = all_reduce(float(mask_t.sum()))
-        m.update(tis_weight_mean=all_reduce(float((tis * mask_t).sum())) / max(n_pol, 1.0),
-                 tis_capped_frac=all_reduce(float(((tis >= cfg['tis_cap']) & mask_t.bool()).sum())) / max(n_pol, 1.0))
+    mask_t = mask * trained[:, None]  # [R, T-1]: the tokens the update computes
+    if cfg['tis_cap']:  # bf16: the trainer's own old log-probs, batched as the first epoch's forwards, before any
+        # step; the first mini-batch's rows come from its own forward (minibatch_loss): the same bits, a pass less
+        old = batch_log_probs(model, batch, cfg, [rows[trained[rows]] for rows in plan[0][1:]], mask_t)
     for rows in [rows for epoch in plan for rows in epoch]:
         signal = not kl_free or all_reduce(float(((adv[rows] != 0) & mask[rows].bool()).sum())) > 0
         per_ep = torch.zeros(n_global).index_add_(0, row_global[rows], mask[rows].sum(1))
@@ -147,7 +144,13 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         opt.zero_grad(set_to_none=True)
         keep = trained[rows]  # the normaliser above counts every row; only rows with signal are computed
         total = all_reduce(minibatch_loss(model, batch, rows[keep], mask, w[keep], adv, old, ref_logp, cfg, signal, sums,
-                                          m if first else None))
+                                          m if first else None, mask_t if first and cfg['tis_cap'] else None))
+        if first and cfg['tis_cap']:  # every old log-prob known: weight each token for the sampler's
+            tis = tis_weights(old, batch['sample_logp'], mask_t, cfg['tis_cap'])
+            adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched
+            n_pol = all_reduce(float(mask_t.sum()))
+            m.update(tis_weight_mean=all_reduce(float((tis * mask_t).sum())) / max(n_pol, 1.0),
+                     tis_capped_frac=all_reduce(float(((tis >= cfg['tis_cap']) & mask_t.bool()).sum())) / max(n_pol, 1.0))
         first = False
         if signal:  # else the true gradient is 0 (docstring): no step, not even AdamW's weight decay
             sync_gradients(model)
@@ -163,11 +166,14 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     return update_metrics(sums, m, ref_logp is not None, n_steps)
 
 
-def minibatch_loss(model, batch, rows, mask, w, adv, old_logp, ref_logp, cfg, backward, sums, first=None):
+def minibatch_loss(model, batch, rows, mask, w, adv, old_logp, ref_logp, cfg, backward, sums, first=None, tis_mask=None):
     """Forward (and with backward, backward) the micro-batches of rows [r] of batch, w [r, T-1] their
     loss weights, old_logp [R, T-1] PPO's old log-probs, adding the update's statistics to sums.
     first: the metrics dict on a step's first mini-batch, before any update: the gap of the sampler's
-    log-probs to the trainer's (logp_gap_max, _mean), and every ratio 1. Returns this rank's loss."""
+    log-probs to the trainer's (logp_gap_max, _mean), and every ratio 1. tis_mask [R, T-1] (tis_cap,
+    first mini-batch): its forward is the trainer's old log-probs, written into old_logp, and its
+    advantages are weighted by tis_weights over the whole batch (the same numbers as a no-grad pass
+    before the step, one forward less). Returns this rank's loss."""
     dev, total = cfg['device'], 0.0
     lengths = batch['attention_mask'].sum(1).tolist()
     for mb in micro_batches([lengths[i] for i in rows.tolist()], cfg['max_tokens_per_microbatch']):
@@ -179,9 +185,13 @@ def minibatch_loss(model, batch, rows, mask, w, adv, old_logp, ref_logp, cfg, ba
         with autocast(cfg):
             logp, ent = sequence_log_probs(model, batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev),
                                            cfg['temperature'], with_entropy=True, positions=am)
+        a = adv[r, :L - 1]
+        if tis_mask is not None:  # tis_weights on the whole [R, T-1]: each entry rounds as in one pass
+            old_logp[r, :L - 1] = logp.detach().cpu()
+            a = (adv * tis_weights(old_logp, batch['sample_logp'], tis_mask, cfg['tis_cap']))[r, :L - 1]
         old = old_logp[r, :L - 1].to(dev)
         ref = ref_logp[r, :L - 1].to(dev) if ref_logp is not None else None
-        loss, st = policy_loss(logp, old, adv[r, :L - 1].to(dev), am, w[mb, :L - 1].to(dev), cfg, ref)
+        loss, st = policy_loss(logp, old, a.to(dev), am, w[mb, :L - 1].to(dev), cfg, ref)
         if backward:  # else the loss is only logged
             loss.backward()
         total += loss.item()
