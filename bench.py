@@ -14,7 +14,8 @@ Rows (ratio > 1 means we are faster; the bench_* functions say more): tiny_rollo
 multiturn_rollout_kv_reuse_vs_reprefill, ppo_update_tokens_per_s (vs an unbatched update),
 ppo_update_skip_zero_advantage (rows without advantage left out of the update vs computed),
 memory_rewards_shared_history_vs_row_per_turn, rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
-ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2).
+ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2),
+ppo_update_tis_cap_vs_none_M (bf16: tis_cap's trainer old log-probs vs the sampler's; below 1, its cost).
 
 Tokens/s counts generated tokens for rollouts and real (non-pad) tokens for updates. MFU = 6 x parameters x
 tokens / time / peak (attention FLOPs left out; every parameter counted for every token, though the update
@@ -376,7 +377,8 @@ def bench_skip_zero_advantage(args, sz):
 
 def bench_bf16(args, sz):
     """bf16 autocast against float32 here (ratio > 1: bf16 is faster), TinyAgent and SmolLM2: the PPO update
-    (MFU against a measured bf16 matmul; logp_gap_max of each to the batch's float32 log-probs) and the rollout."""
+    (MFU against a measured bf16 matmul; logp_gap_max of each to the batch's float32 log-probs), the rollout,
+    and what tis_cap costs the bf16 update (ratio < 1)."""
     peak = peak_flops(args.device, torch.bfloat16)
     torch.manual_seed(0)
     models = [('tiny', TinyAgent(TINY_VOCAB, max_len=256).to(args.device), 1),
@@ -394,12 +396,17 @@ def bench_bf16(args, sz):
                 generate(model.eval(), contexts, [], sz['hf_new'], 1.0, torch.Generator(args.device).manual_seed(0))
         t = median_times([lambda: update('bfloat16'), lambda: update('float32')], args.device, sz['reps'], sz['warmup'])
         t_sample = median_times([lambda: sample(True), lambda: sample(False)], args.device, sz['reps'], sz['warmup'])
+        tis = lambda cap: train.ppo_update(model, opt, batch, adv, None, dict(
+            train.config, device=args.device, dtype='bfloat16', ppo_epochs=1, mini_batches=2, tis_cap=cap), random.Random(0))
+        t_tis = median_times([lambda: tis(2.0), lambda: tis(0.0)], args.device, sz['reps'], sz['warmup'])
         tokens, flops = int(batch['attention_mask'].sum()), 6 * count_params(model) * int(batch['attention_mask'].sum())
         rows += [row(f'ppo_update_bf16_vs_fp32_{name}', tokens / t[0], tokens / t[1], 'tok/s', mfu=flops / t[0] / peak[0],
                      mfu_baseline=flops / t[1] / peak[0], peak_flops=peak[0], peak_source=peak[1],
                      note=f"{tokens} tokens; logp_gap_max bf16 {gap['bfloat16']:.1e}, float32 {gap['float32']:.1e}"),
                  row(f'rollout_bf16_vs_fp32_{name}', len(contexts) * sz['hf_new'] / t_sample[0],
-                     len(contexts) * sz['hf_new'] / t_sample[1], 'tok/s', note=f'B={len(contexts)}, {sz["hf_new"]} new tokens')]
+                     len(contexts) * sz['hf_new'] / t_sample[1], 'tok/s', note=f'B={len(contexts)}, {sz["hf_new"]} new tokens'),
+                 row(f'ppo_update_tis_cap_vs_none_{name}', tokens / t_tis[0], tokens / t_tis[1], 'tok/s',
+                     note='bf16, 2 mini-batches: the no-grad pass for the old log-probs of the second')]
     return rows
 
 

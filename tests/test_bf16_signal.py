@@ -67,28 +67,28 @@ def test_bf16_first_ratio_is_exactly_one_with_tis_and_the_gap_is_logged():
 
 
 def test_tis_takes_the_first_minibatchs_old_logprobs_from_its_own_forward(monkeypatch):
-    """The no-grad old pass skips the first mini-batch, whose forward gives the same bits: the step,
-    weights and metrics are those of a pass over every mini-batch, as before the shortcut."""
+    """The no-grad old pass skips the first mini-batch, whose forward gives the same bits: weights and
+    metrics equal those of the algorithm before the shortcut (a pass over its rows first, then the loss
+    on advantages weighted by tis_weights), and a first mini-batch left unweighted would differ."""
     model, batch, adv, cfg = setup(dtype='bfloat16')
     cfg = dict(cfg, mini_batches=2, ppo_epochs=2, max_tokens_per_microbatch=300, tis_cap=2.0)
-    full = copy.deepcopy(model)
+    before = copy.deepcopy(model)
     m = train.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, adv, None, cfg, random.Random(0))
-    passes, olds = [], []
+    minibatch_loss, passes = train.minibatch_loss, []
 
-    def every_minibatch(model_, batch_, cfg_, row_groups, mask):  # the pass over the first mini-batch too
-        assert len(row_groups) == cfg['mini_batches'] - 1
-        rest = set(torch.cat(row_groups).tolist())
-        first = torch.tensor([r for r in range(len(mask)) if mask[r].any() and r not in rest])
-        olds.append(train_batch_log_probs(model_, batch_, cfg_, [first] + list(row_groups), mask))
-        passes.append(olds[-1].clone())
-        return olds[-1]
+    def pass_first(model_, batch_, rows, mask, w, adv_, old_logp, ref_logp, cfg_, backward, sums, first=None, tis_mask=None):
+        if tis_mask is not None:  # the first mini-batch as before: its rows' no-grad pass, then weighted advantages
+            old_logp[rows] = train.batch_log_probs(model_, batch_, cfg_, [rows], tis_mask)[rows]
+            passes.append(old_logp[rows].clone())
+            adv_ = adv_ * tis_weights(old_logp, batch_['sample_logp'], tis_mask, cfg_['tis_cap'])
+        return minibatch_loss(model_, batch_, rows, mask, w, adv_, old_logp, ref_logp, cfg_, backward, sums, first)
 
-    train_batch_log_probs = train.batch_log_probs
-    monkeypatch.setattr(train, 'batch_log_probs', every_minibatch)
-    f = train.ppo_update(full, torch.optim.AdamW(full.parameters(), lr=1e-3), batch, adv, None, cfg, random.Random(0))
-    assert torch.equal(olds[0], passes[0]) and passes[0].abs().sum() > 0  # the forward rewrote the same bits
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), full.state_dict().values()))
-    assert m == f and m['ratio_dev_first_minibatch'] == 0.0 and m['grad_norm'] > 0
+    monkeypatch.setattr(train, 'minibatch_loss', pass_first)
+    f = train.ppo_update(before, torch.optim.AdamW(before.parameters(), lr=1e-3), batch, adv, None, cfg, random.Random(0))
+    assert len(passes) == 1 and passes[0].abs().sum() > 0 and f['ratio_dev_first_minibatch'] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.state_dict().values()))
+    assert m == f and m['grad_norm'] > 0 and m['tis_weight_mean'] != 1.0
+
 
 def test_float32_keeps_its_exact_gap_and_numbers_without_tis():
     model, batch, adv, cfg = setup()
