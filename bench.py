@@ -406,7 +406,7 @@ def bench_bf16(args, sz):
                  row(f'rollout_bf16_vs_fp32_{name}', len(contexts) * sz['hf_new'] / t_sample[0],
                      len(contexts) * sz['hf_new'] / t_sample[1], 'tok/s', note=f'B={len(contexts)}, {sz["hf_new"]} new tokens'),
                  row(f'ppo_update_tis_cap_vs_none_{name}', tokens / t_tis[0], tokens / t_tis[1], 'tok/s',
-                     note='bf16, 2 mini-batches: the no-grad pass for the old log-probs of the second')]
+                     note='bf16, 2 mini-batches; tis_cap adds a no-grad pass over the second')]
     return rows
 
 

@@ -99,7 +99,7 @@ config = dict(
                                  # pool's mean is the baseline; no full-history pass)
     truncation_penalty=0.0,      # subtracted from the reward of an episode cut by a limit (out of turns or context)
                                  # for its advantage only (DAPO's overlong punishment); logged rewards stay the gym's
-    tis_cap=0.0,                 # > 0: old log-probs recomputed by the trainer, and each token's policy-gradient term
+    tis_cap=0.0,                 # >= 1: old log-probs recomputed by the trainer, and each token's policy-gradient term
                                  # weighted by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling)
     oversample=1.0,              # > 1: roll out batch_size x oversample groups, keep batch_size, those with signal first
     skip_zero_advantage=False,   # the update skips the forward and backward of rows whose advantages are all 0 (their
@@ -122,13 +122,13 @@ TRUE_WORDS, FALSE_WORDS = ('true', '1', 'yes'), ('false', '0', 'no')  # what a b
 
 
 def parse_value(key, raw, default):
-    """Parse --key=value by the default's type; bools accept true/false/1/0."""
+    """Parse --key=value by the default's type; bools accept TRUE_WORDS and FALSE_WORDS."""
     if isinstance(default, bool):
         if raw.lower() in TRUE_WORDS:
             return True
         if raw.lower() in FALSE_WORDS:
             return False
-        fail(f'--{key}={raw}: expected true or false')
+        fail(f"--{key}={raw}: expected true or false (or {'/'.join(TRUE_WORDS[1:])}, {'/'.join(FALSE_WORDS[1:])})")
     try:
         return yaml.safe_load(raw) if not isinstance(default, str) else raw
     except yaml.YAMLError:
@@ -310,6 +310,9 @@ def check_combinations(cfg, defaults):
         (cfg['min_lr'] > cfg['lr'], ('min_lr', 'lr'),
          f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"),
         (cfg['lora_alpha'] <= 0, 'lora_alpha', f"config key 'lora_alpha' must be > 0, got {cfg['lora_alpha']!r}"),
+        (0 < cfg['tis_cap'] < 1, 'tis_cap',  # min(w, C) with C < 1: a smaller step, not a correction
+         f"config key 'tis_cap' must be 0 (off) or >= 1 (e.g. 2), got {cfg['tis_cap']!r}: "
+         "below 1 it caps nearly every token (weights are about 1)"),
         (cfg['chat_template'] and tiny, ('chat_template', 'model'),
          "config key 'chat_template' needs a Hugging Face model; the tiny model has no chat template"),
         (cfg['gguf_file'] and cfg['model'] in ('tiny', 'tiny-qwen3', 'smollm2'), ('gguf_file', 'model'),  # ignored there
@@ -352,6 +355,9 @@ def check_run(cfg, master=True):
     if master and cfg['group_size'] == 1:
         print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
               "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
+    if master and cfg['tis_cap'] and cfg['dtype'] == 'float32':
+        print("note: tis_cap in float32: the sampler's log-probs are already the trainer's (gap <= 1e-5), so "
+              "the correction only adds a forward pass (tis_cap: 0 skips it)", file=sys.stderr)
 
 
 def resolve_dtype(cfg, master=True):

@@ -10,9 +10,10 @@ advantages, PPO update, log, evaluate, save.
 
 Simplifications, on purpose:
 1. No value model: GRPO's group baseline replaces it (no GAE, no bootstrapping at truncation;
-   truncated episodes get reward 0 and are counted in truncation_rate).
+   truncated episodes get reward 0, less truncation_penalty for GRPO, and count in truncation_rate).
 2. The old log-probs are the sampler's own (exact in float32, checked every step as logp_gap_max on
-   the first mini-batch, before any update), so no separate old-policy forward pass runs.
+   the first mini-batch, before any update), so no separate old-policy forward pass runs; in bf16
+   with tis_cap one runs over every mini-batch but the first, whose own forward gives them.
 3. The warm start is plain cross-entropy on the policy tokens of scripted episodes.
 """
 
@@ -148,9 +149,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         if first and cfg['tis_cap']:  # every old log-prob known: weight each token for the sampler's
             tis = tis_weights(old, batch['sample_logp'], mask_t, cfg['tis_cap'])
             adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched
-            n_pol = all_reduce(float(mask_t.sum()))
-            m.update(tis_weight_mean=all_reduce(float((tis * mask_t).sum())) / max(n_pol, 1.0),
-                     tis_capped_frac=all_reduce(float(((tis >= cfg['tis_cap']) & mask_t.bool()).sum())) / max(n_pol, 1.0))
+            m.update(tis_sum=float((tis * mask_t).sum()), tis_capped=float(((tis >= cfg['tis_cap']) & mask_t.bool()).sum()),
+                     tis_n=float(mask_t.sum()))
         first = False
         if signal:  # else the true gradient is 0 (docstring): no step, not even AdamW's weight decay
             sync_gradients(model)
@@ -213,15 +213,20 @@ def minibatch_loss(model, batch, rows, mask, w, adv, old_logp, ref_logp, cfg, ba
 
 def update_metrics(sums, m, with_kl, n_steps):
     """The update's metrics over all ranks: means over policy tokens, the mean loss, maxima; loss and
-    grad_norm are None when every step was non-finite, kl None without a reference."""
+    grad_norm are None when every step was non-finite, kl None without a reference, and a mean or
+    maximum None when no token was computed for it (every row skipped: nothing measured, not 0)."""
     sums = {k: all_reduce(v) for k, v in sums.items()}
     m['loss'] = sums['loss'] / world_size()
     for k in ('clip_frac', 'kl', 'entropy'):
-        m[k] = sums[k] / max(sums['tokens'], 1.0)
+        m[k] = sums[k] / sums['tokens'] if sums['tokens'] else None
     m['log_ratio_clamped'] = sums['log_ratio_clamped']  # tokens whose log-ratio hit +-LOG_RATIO_MAX
-    m['logp_gap_max'] = all_reduce(m['logp_gap_max'], 'max')
-    m['logp_gap_mean'] = all_reduce(m.pop('gap_sum')) / max(all_reduce(m.pop('gap_n')), 1)
-    m['ratio_dev_first_minibatch'] = all_reduce(m['ratio_dev_first_minibatch'], 'max')
+    gap_n, gap_sum = all_reduce(m.pop('gap_n')), all_reduce(m.pop('gap_sum'))  # the first mini-batch's tokens
+    for k in ('logp_gap_max', 'ratio_dev_first_minibatch'):
+        m[k] = all_reduce(m[k], 'max') if gap_n else None  # gap_n is every rank's: all take one branch
+    m['logp_gap_mean'] = gap_sum / gap_n if gap_n else None
+    if 'tis_n' in m:  # tis_cap
+        n, w, capped = all_reduce(m.pop('tis_n')), all_reduce(m.pop('tis_sum')), all_reduce(m.pop('tis_capped'))
+        m['tis_weight_mean'], m['tis_capped_frac'] = (w / n, capped / n) if n else (None, None)
     if not with_kl:
         m['kl'] = None
     if m['bad_steps'] == n_steps:  # every step skipped: no loss, not a loss of 0

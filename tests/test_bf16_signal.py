@@ -90,6 +90,16 @@ def test_tis_takes_the_first_minibatchs_old_logprobs_from_its_own_forward(monkey
     assert m == f and m['grad_norm'] > 0 and m['tis_weight_mean'] != 1.0
 
 
+def test_an_update_that_computes_no_token_logs_none_not_zero():
+    model, batch, adv, cfg = setup(dtype='bfloat16')
+    batch['rewards'][:] = 1.0  # every group all-equal: skip_zero_advantage leaves every row out
+    adv = token_advantages(grpo_advantage(batch['rewards'], batch['group_ids']), batch['row_episode'], batch['action_mask'])
+    m = train.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, adv, None,
+                         dict(cfg, tis_cap=2.0, skip_zero_advantage=True), random.Random(0))
+    measured = ('entropy', 'clip_frac', 'logp_gap_max', 'logp_gap_mean', 'ratio_dev_first_minibatch',
+                'tis_weight_mean', 'tis_capped_frac')
+    assert all(m[k] is None for k in measured) and m['grad_norm'] == 0.0 and m['bad_steps'] == 0
+
 def test_float32_keeps_its_exact_gap_and_numbers_without_tis():
     model, batch, adv, cfg = setup()
     m = train.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, adv, None, cfg, random.Random(0))

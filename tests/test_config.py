@@ -21,7 +21,8 @@ def run_train(*args):
 @pytest.mark.parametrize('args, needle', [
     (['--stpes=3'], "unknown config key 'stpes' (did you mean 'steps'?)"),
     (['--steps=abc'], "config key 'steps' expects int, got 'abc'"),
-    (['--resume=maybe'], '--resume=maybe: expected true or false'),
+    (['--resume=maybe'], '--resume=maybe: expected true or false (or 1/yes, 0/no)'),
+    (['--tis_cap=0.5'], "config key 'tis_cap' must be 0 (off) or >= 1 (e.g. 2), got 0.5: below 1 it caps nearly every token (weights are about 1)"),
     (['config/does_not_exist.yaml'], 'config file not found: config/does_not_exist.yaml'),
     (['--kl_type=k4'], "config key 'kl_type' must be one of k1, k2, k3, got 'k4'"),
     (['--keep_tool_results=some'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
