@@ -15,7 +15,8 @@ multiturn_rollout_kv_reuse_vs_reprefill, ppo_update_tokens_per_s (vs an unbatche
 ppo_update_skip_zero_advantage (rows without advantage left out of the update vs computed),
 memory_rewards_shared_history_vs_row_per_turn, rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
 ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2),
-ppo_update_tis_cap_vs_none_M (bf16: tis_cap's trainer old log-probs vs the sampler's; below 1, its cost).
+ppo_update_tis_cap_vs_none_M (bf16: tis_cap's trainer old log-probs vs the sampler's; below 1, its cost),
+logprob_chunks_kept_vs_recomputed_M (the update's log-prob chunks kept for backward vs recomputed).
 
 Tokens/s counts generated tokens for rollouts and real (non-pad) tokens for updates. MFU = 6 x parameters x
 tokens / time / peak (attention FLOPs left out; every parameter counted for every token, though the update
@@ -43,6 +44,7 @@ from gym import OWNER, Format
 from model import TinyAgent, count_params, generate, pad_after_cache, sample_next, sequence_log_probs, trunk
 from rollout import collate, rollout_batch
 import advantage
+import model as model_lib
 import train
 from config import fail, parse_options
 
@@ -406,8 +408,30 @@ def bench_bf16(args, sz):
                  row(f'rollout_bf16_vs_fp32_{name}', len(contexts) * sz['hf_new'] / t_sample[0],
                      len(contexts) * sz['hf_new'] / t_sample[1], 'tok/s', note=f'B={len(contexts)}, {sz["hf_new"]} new tokens'),
                  row(f'ppo_update_tis_cap_vs_none_{name}', tokens / t_tis[0], tokens / t_tis[1], 'tok/s',
-                     note='bf16, 2 mini-batches; tis_cap adds a no-grad pass over the second')]
+                     note='bf16, 2 mini-batches; tis_cap adds a no-grad pass over the second'),
+                 bench_logprob_chunks(args, sz, name, model, batch)]
     return rows
+
+
+def bench_logprob_chunks(args, sz, name, model, batch):
+    """One bf16 forward and backward of a batch's log-probs (sequence_log_probs, chunks of 1024 scored
+    tokens), every chunk's graph kept against each chunk recomputed in backward (LOGITS_KEPT_BYTES 0):
+    the same bits (tests/test_hf.py), one vocabulary projection and softmax less."""
+    ids, attn = batch['ids'].to(args.device), batch['attention_mask'].to(args.device)
+
+    def log_probs(kept):
+        saved, model_lib.LOGITS_KEPT_BYTES = model_lib.LOGITS_KEPT_BYTES, kept
+        try:
+            with autocast(args.device, True):
+                logp = sequence_log_probs(model.train(), ids, attn)
+            logp.sum().backward()
+        finally:
+            model_lib.LOGITS_KEPT_BYTES = saved
+            model.zero_grad(set_to_none=True)
+    t = median_times([lambda: log_probs(2 ** 62), lambda: log_probs(0)], args.device, sz['reps'], sz['warmup'])
+    tokens = int(attn.sum())
+    return row(f'logprob_chunks_kept_vs_recomputed_{name}', tokens / t[0], tokens / t[1], 'tok/s',
+               note=f'bf16 forward + backward, {tokens} tokens, {-(-(tokens - len(ids)) // 1024)} chunks')
 
 
 # --- one RL step: ours vs TRL's GRPOTrainer

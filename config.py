@@ -362,11 +362,15 @@ def check_run(cfg, master=True):
 
 def resolve_dtype(cfg, master=True):
     """dtype: auto becomes native_dtype's choice for cfg['device'] (in place), printed with its reason on
-    rank 0, so train.py and sample.py compute in the same precision; float32 and bfloat16 stay."""
+    rank 0, so train.py and sample.py compute in the same precision; float32 and bfloat16 stay (bfloat16
+    where the device lacks it natively with a warning: it runs, slower)."""
     if cfg['dtype'] == 'auto':
         cfg['dtype'], why = native_dtype(cfg['device'])
         if master:
             print(f"dtype auto: {cfg['dtype']} ({why})")
+    elif cfg['dtype'] == 'bfloat16' and master and native_dtype(cfg['device'])[0] == 'float32':
+        print(f"warning: dtype bfloat16 with {native_dtype(cfg['device'])[1]}: bf16 is emulated there, usually "
+              "slower than float32 (dtype: auto picks float32 here)", file=sys.stderr)
 
 
 def native_dtype(device, cpu_flags=None):

@@ -77,7 +77,9 @@ def test_a_run_stopped_midway_keeps_the_rows_it_finished(tmp_path, monkeypatch):
 
 def test_smoke_bf16_rows_compare_bf16_with_float32(tmp_path):
     rows = run_smoke(tmp_path, 'bf16')
-    check_rows(rows, ['ppo_update_bf16_vs_fp32_tiny', 'rollout_bf16_vs_fp32_tiny', 'ppo_update_tis_cap_vs_none_tiny'])
+    check_rows(rows, ['ppo_update_bf16_vs_fp32_tiny', 'rollout_bf16_vs_fp32_tiny', 'ppo_update_tis_cap_vs_none_tiny',
+                      'logprob_chunks_kept_vs_recomputed_tiny'])
+    assert bench.model_lib.LOGITS_KEPT_BYTES == 2 ** 30  # the row puts the bound back
     assert rows[0]['mfu'] > 0 and 'bfloat16 matmul' in rows[0]['peak_source']
     bf16, fp32 = (float(x) for x in rows[0]['note'].split('logp_gap_max bf16 ')[1].split(', float32 '))
     assert fp32 <= 1e-5 < bf16  # the batch's log-probs are float32's: bf16 rounds away from them

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import random
 
+import pytest
 import torch
 
 import config as config_lib
@@ -32,6 +33,16 @@ def test_check_run_resolves_auto_and_says_why(capsys, monkeypatch):
     cfg = config_lib.load_config(['--dtype=auto', '--gym=example', '--device=cpu'])
     config_lib.check_run(cfg)
     assert cfg['dtype'] == 'float32' and 'dtype auto: float32 (no native bf16 on this CPU)' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('flags, warned', [('no native bf16 on this CPU', True), ('this CPU has avx512_bf16', False)])
+def test_explicit_bfloat16_without_native_bf16_warns_and_runs_bf16(capsys, monkeypatch, flags, warned):
+    monkeypatch.setattr(config_lib, 'native_dtype', lambda device: ('float32' if warned else 'bfloat16', flags))
+    cfg = config_lib.load_config(['--dtype=bfloat16', '--gym=example', '--device=cpu'])
+    config_lib.check_run(cfg)
+    err = capsys.readouterr().err
+    assert cfg['dtype'] == 'bfloat16'
+    assert ('warning: dtype bfloat16 with no native bf16 on this CPU: bf16 is emulated there' in err) == warned
 
 
 # -----------------------------------------------------------------------------
