@@ -363,14 +363,14 @@ def check_run(cfg, master=True):
 def resolve_dtype(cfg, master=True):
     """dtype: auto becomes native_dtype's choice for cfg['device'] (in place), printed with its reason on
     rank 0, so train.py and sample.py compute in the same precision; float32 and bfloat16 stay (bfloat16
-    where the device lacks it natively with a warning: it runs, slower)."""
+    where the device lacks it natively with a warning)."""
     if cfg['dtype'] == 'auto':
         cfg['dtype'], why = native_dtype(cfg['device'])
         if master:
             print(f"dtype auto: {cfg['dtype']} ({why})")
-    elif cfg['dtype'] == 'bfloat16' and master and native_dtype(cfg['device'])[0] == 'float32':
-        print(f"warning: dtype bfloat16 with {native_dtype(cfg['device'])[1]}: bf16 is emulated there, usually "
-              "slower than float32 (dtype: auto picks float32 here)", file=sys.stderr)
+    elif cfg['dtype'] == 'bfloat16' and master and (native := native_dtype(cfg['device']))[0] == 'float32':
+        print(f"warning: dtype bfloat16 with {native[1]}: bf16 is emulated there or not run at all, "
+              "slower than float32 where it runs (dtype: auto picks float32 here)", file=sys.stderr)
 
 
 def native_dtype(device, cpu_flags=None):
@@ -378,7 +378,7 @@ def native_dtype(device, cpu_flags=None):
     bf16, a CPU whose flags show avx512_bf16 or amx_bf16), else 'float32', which elsewhere is faster.
     cpu_flags: the flags' text (default: read from /proc/cpuinfo; none there: float32)."""
     if str(device).startswith('cuda'):
-        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere on
         return ('bfloat16', 'a CUDA GPU with bf16') if ok else ('float32', 'a CUDA GPU without bf16')
     if cpu_flags is None:
         try:

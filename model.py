@@ -283,14 +283,15 @@ LOGITS_KEPT_BYTES = 2 ** 30  # sequence_log_probs keeps the log-softmax of up to
 
 
 def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1024, with_entropy=False,
-                       positions=None):
+                       positions=None, kept_share=1.0):
     """Log-probability of each next token under `model`: ids [B, T] -> logp [B, T-1] (float32).
 
     Column j scores token j+1 given tokens 0..j, aligned with action_mask [B, T-1]; logits divided by
     `temperature`, as the sampler's. Only `positions` [B, T-1] (default: every real token) are
-    projected onto the vocabulary, `chunk` at a time, each recomputed in backward when all of them would
-    keep more than LOGITS_KEPT_BYTES (a [B, T, V] logits tensor of a 152k vocabulary takes gigabytes);
-    other entries are 0. with_entropy=True also returns
+    projected onto the vocabulary, `chunk` at a time, each recomputed in backward when together they
+    would keep more than kept_share x LOGITS_KEPT_BYTES (a caller that runs one backward over n calls
+    passes 1/n), a single chunk never (a [B, T, V] logits tensor of a 152k vocabulary takes
+    gigabytes); other entries are 0. with_entropy=True also returns
     the entropy [B, T-1] of each tempered next-token distribution (nats)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
@@ -298,10 +299,10 @@ def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1
     keep = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool() if positions is None else positions.bool()
     hk, tk = h[keep], ids[:, 1:][keep]  # [N, C], [N]
     weight = model.get_output_embeddings().weight if not isinstance(model, TinyAgent) else model.lm_head.weight
-    # every chunk keeps its graph (its [n, V] float32 log-softmax) while they fit in LOGITS_KEPT_BYTES;
-    # beyond, each is recomputed in backward: a second vocabulary projection and softmax, about 8% of
-    # SmolLM2's update. The same bits either way, values and gradients (tests/test_hf.py).
-    recompute = hk.shape[0] > chunk and hk.shape[0] * weight.shape[0] * 4 > LOGITS_KEPT_BYTES
+    # every chunk keeps its graph (its [n, V] float32 log-softmax) while they fit in the bound; beyond,
+    # each is recomputed in backward: a second vocabulary projection and softmax, about 8% of SmolLM2's
+    # update (bench.py). The same bits either way, values and gradients (tests/test_hf.py).
+    recompute = hk.shape[0] > chunk and hk.shape[0] * weight.shape[0] * 4 > kept_share * LOGITS_KEPT_BYTES
     parts = []
     for s in range(0, hk.shape[0], chunk):
         args = (hk[s:s + chunk], weight, tk[s:s + chunk], temperature, with_entropy)

@@ -12,8 +12,8 @@ Simplifications, on purpose:
 1. No value model: GRPO's group baseline replaces it (no GAE, no bootstrapping at truncation;
    truncated episodes get reward 0, less truncation_penalty for GRPO, and count in truncation_rate).
 2. The old log-probs are the sampler's own (exact in float32, checked every step as logp_gap_max on
-   the first mini-batch, before any update), so no separate old-policy forward pass runs; in bf16
-   with tis_cap one runs over every mini-batch but the first, whose own forward gives them.
+   the first mini-batch, before any update), so no separate old-policy forward pass runs; with
+   tis_cap (for bf16) one runs over every mini-batch but the first, whose own forward gives them.
 3. The warm start is plain cross-entropy on the policy tokens of scripted episodes.
 """
 
@@ -104,14 +104,14 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     collate() of this rank's episodes; adv, ref_logp (or None) [R, T-1]; at_reference: is_reference().
     A mini-batch without signal (no advantage on a trained token and a KL term of 0) takes no step:
     Adam would turn its rounding gradient into a full step. A non-finite loss or gradient skips the
-    step (bad_steps). tis_cap > 0: PPO's old log-probs are the trainer's (batch_log_probs; the first
+    step (bad_steps). tis_cap (>= 1): PPO's old log-probs are the trainer's (batch_log_probs; the first
     mini-batch's from its own forward) and each token's surrogate is weighted by tis_weights.
     skip_zero_advantage (without a KL term): rows whose advantages are all 0 are left out of every
     forward and backward but kept in the normaliser, so the step is the same up to rounding; the
-    logged means (entropy, clip_frac, logp gap) are then over the rows computed. Data parallel:
-    episode_ids [N] index this rank's episodes in the global batch of n_global, shuffled alike on
-    every rank with global normalisers, so N ranks take the step of one process. Returns a dict of
-    metrics."""
+    logged means (entropy, clip_frac, logp gap) are then over the rows computed (None when none was).
+    Data parallel: episode_ids [N] index this rank's episodes in the global batch of n_global,
+    shuffled alike on every rank with global normalisers, so N ranks take the step of one process.
+    Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
     mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # [R, T-1]; invalid episodes weigh 0
@@ -272,12 +272,13 @@ def warm_start_loss(model, batch, idx, cfg):
     run in micro-batches of similar length (max_tokens_per_microbatch), each in idx's order, so a long
     full-history row (warmstart_full) does not pad the short folded ones."""
     lengths = batch['attention_mask'][idx].sum(1).tolist()
-    nll = 0.0
-    for part in micro_batches(lengths, cfg['max_tokens_per_microbatch']):
+    parts, nll = micro_batches(lengths, cfg['max_tokens_per_microbatch']), 0.0
+    for part in parts:
         rows, L = idx[sorted(part)], max(lengths[i] for i in part)
-        with autocast(cfg):
+        with autocast(cfg):  # one backward over every part: each keeps a share of the log-softmax bound
             logp = sequence_log_probs(model, batch['ids'][rows, :L].to(cfg['device']),
-                                      batch['attention_mask'][rows, :L].to(cfg['device']))
+                                      batch['attention_mask'][rows, :L].to(cfg['device']),
+                                      kept_share=1 / len(parts))
         nll = nll - (logp * batch['action_mask'][rows, :L - 1].to(cfg['device'])).sum()
     return nll / batch['action_mask'][idx].sum().clamp(min=1).to(cfg['device'])
 

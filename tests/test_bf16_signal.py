@@ -42,7 +42,7 @@ def test_explicit_bfloat16_without_native_bf16_warns_and_runs_bf16(capsys, monke
     config_lib.check_run(cfg)
     err = capsys.readouterr().err
     assert cfg['dtype'] == 'bfloat16'
-    assert ('warning: dtype bfloat16 with no native bf16 on this CPU: bf16 is emulated there' in err) == warned
+    assert ('warning: dtype bfloat16 with no native bf16 on this CPU: bf16 is emulated there or not run at all' in err) == warned
 
 
 # -----------------------------------------------------------------------------
@@ -110,6 +110,7 @@ def test_an_update_that_computes_no_token_logs_none_not_zero():
     measured = ('entropy', 'clip_frac', 'logp_gap_max', 'logp_gap_mean', 'ratio_dev_first_minibatch',
                 'tis_weight_mean', 'tis_capped_frac')
     assert all(m[k] is None for k in measured) and m['grad_norm'] == 0.0 and m['bad_steps'] == 0
+
 
 def test_float32_keeps_its_exact_gap_and_numbers_without_tis():
     model, batch, adv, cfg = setup()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf
-import model as model_mod
+import model as model_lib
 from model import QWEN3_VOCAB_SIZE, SMOLLM2_GGUF, load_hf_model, sequence_log_probs, smollm2_gguf_path, tiny_qwen3
 
 torch.set_num_threads(1)
@@ -254,20 +254,21 @@ def test_chunked_logprobs_gradients(tiny):
 
 
 def test_chunks_kept_or_recomputed_give_the_same_bits(tiny, monkeypatch):
-    """Below LOGITS_KEPT_BYTES every chunk keeps its graph; above it each is recomputed in backward
-    (torch.utils.checkpoint). Values and gradients are the same bits either way."""
+    """Within kept_share x LOGITS_KEPT_BYTES every chunk keeps its graph; above it each is recomputed
+    in backward (torch.utils.checkpoint). Values and gradients are the same bits either way."""
     ids = torch.randint(0, 151669, (2, 7), generator=torch.Generator().manual_seed(2))
     calls, real = [], torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, 'checkpoint', lambda *a, **k: calls.append(1) or real(*a, **k))
-    out = {}
-    for kept in (0, 12 * 151669 * 4):  # recompute; keep (12 scored tokens: exactly the bound)
-        monkeypatch.setattr(model_mod, 'LOGITS_KEPT_BYTES', kept)
+    monkeypatch.setattr(model_lib, 'LOGITS_KEPT_BYTES', 12 * 151669 * 4)  # 12 scored tokens: exactly the bound
+    out = []
+    for share, recomputed in ((0.5, 3), (1.0, 0)):  # 12 tokens in chunks of 5: three recomputed, or none
         tiny.zero_grad()
-        logp = sequence_log_probs(tiny, ids, chunk=5)
+        logp = sequence_log_probs(tiny, ids, chunk=5, kept_share=share)
         logp.sum().backward()
-        out[kept] = (logp.detach(), [p.grad.clone() for p in tiny.parameters()], len(calls))
-    (lp_r, g_r, n_r), (lp_k, g_k, n_k) = out.values()
-    assert n_r == 3 and n_k == 3  # 12 tokens in chunks of 5: three recomputed, then none
+        out.append((logp.detach(), [p.grad.clone() for p in tiny.parameters()]))
+        assert len(calls) == recomputed
+        calls.clear()
+    (lp_r, g_r), (lp_k, g_k) = out
     assert torch.equal(lp_r, lp_k) and all(torch.equal(a, b) for a, b in zip(g_r, g_k))
     assert g_k[0].abs().sum() > 0
     tiny.zero_grad()
