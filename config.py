@@ -194,7 +194,8 @@ def read_config_file(path, argv):
             not isinstance(config.get(before[2:]), bool) or path.lower() in TRUE_WORDS + FALSE_WORDS) \
             else None  # a bare --resume is whole, unless a true/false follows it
         key = path.partition('=')[0]  # 'steps=3' for '--steps=3'
-        fail((f'config file is a directory: {path}' if os.path.isdir(path) else f'config file not found: {path}')
+        fail((f'config file is a directory: {path} (a run folder is given as --out_dir={path})' if os.path.isdir(path)
+              else f'config file not found: {path}')
              + (f" (flags take their value after '=': {bare}={path})" if bare else
                 f" (a config key is written --{path})" if '=' in path and key in config else ''))
     try:

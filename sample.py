@@ -30,6 +30,7 @@ import html
 import json
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -416,4 +417,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+    if hasattr(signal, 'SIGPIPE'):  # `python sample.py ... | head` ends quietly, as other command-line tools
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main(sys.argv[1:])

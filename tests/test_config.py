@@ -29,7 +29,7 @@ def run_train(*args):
     (['--keep_tool_results=0'], "config key 'keep_tool_results' expects 'all' or an integer >= 1"),
     (['--device=tpu'], "config key 'device': unknown device 'tpu'"),
     (['--lr_rate=1'], "unknown config key 'lr_rate' (did you mean 'lr'?)"),
-    (['config'], 'config file is a directory: config'),
+    (['config'], 'config file is a directory: config (a run folder is given as --out_dir=config)'),
     (['--train_generated=-1'], "config key 'train_generated' must be >= 0, got -1"),
     (['--n_head=3'], "config key 'n_head' (3) must divide n_embd (128)"),
     (['--mem_coef=1'], "config key 'mem_coef' (1.0) needs a gym whose turns write <mem> (memory, searchqa), not 'bugfix'"),

@@ -420,3 +420,15 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     sample.main(['config/tiny_mem.yaml', '--scripted', '--n=2', f'--out_dir={tmp_path}'])  # episodes as text too
     out = capsys.readouterr().out
     assert '2 episodes: mean reward' in out and 'success 1.000' in out
+
+
+def test_a_closed_pipe_ends_sample_quietly():
+    """`python sample.py ... | head -1`: the reader goes away, sample.py ends without a traceback."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, 'sample.py', '--untrained', '--n=2'], cwd=root, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE='1'))
+    p.stdout.close()  # as head does once it has its lines: every later write meets a closed pipe
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert 'BrokenPipeError' not in err and 'Traceback' not in err, err
