@@ -135,12 +135,19 @@ def parse_value(key, raw, default):
         fail(f'--{key}={raw}: cannot parse the value')
 
 
+PEER_KEYS = dict(  # other trainers' names for our keys (TRL's GRPOConfig, verl), for the unknown-key message
+    learning_rate='lr', num_generations='group_size', beta='kl_coef', kl_loss_coef='kl_coef', epsilon='clip_low',
+    epsilon_high='clip_high', clip_ratio='clip_low', max_steps='steps', num_iterations='ppo_epochs',
+    max_completion_length='max_response_tokens', loss_type='loss_agg')
+
+
 def check_key(key, value, cfg, where='', name=None):
     """value, type-checked against cfg[key] (ints are accepted for floats); exits 2 on an unknown key or
     a wrong type, the line starting with `where` (the config file it came from, or nothing) and naming
     the key as `name` (default "config key 'KEY'"; a script's own option passes '--KEY')."""
     if key not in cfg:
-        close = [k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1] or \
+        close = [k for k in [PEER_KEYS.get(key)] if k in cfg] or \
+            [k for k in cfg if key.startswith(k + '_') or k.startswith(key + '_')][:1] or \
             difflib.get_close_matches(key, list(cfg), n=1)  # lr_rate -> lr (not lora_rank), stpes -> steps
         fail(f"{where}unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
     default = cfg[key]

@@ -20,6 +20,8 @@ def run_train(*args):
 
 @pytest.mark.parametrize('args, needle', [
     (['--stpes=3'], "unknown config key 'stpes' (did you mean 'steps'?)"),
+    (['--learning_rate=1e-4'], "unknown config key 'learning_rate' (did you mean 'lr'?)"),  # TRL's name
+    (['--num_generations=8'], "unknown config key 'num_generations' (did you mean 'group_size'?)"),
     (['--steps=abc'], "config key 'steps' expects int, got 'abc'"),
     (['--resume=maybe'], '--resume=maybe: expected true or false (or 1/yes, 0/no)'),
     (['--tis_cap=0.5'], "config key 'tis_cap' must be 0 (off) or >= 1 (e.g. 2), got 0.5: below 1 it caps nearly every token (weights are about 1)"),
@@ -240,3 +242,8 @@ def test_every_config_key_is_explained_in_config_py():
     silent = [line.split('=')[0].strip() for line in lines if '=' in line and '#' not in line]
     assert not silent, f'config keys without a comment in config.py: {silent}'
     assert all(any(line.lstrip().startswith(k + '=') or f' {k}=' in line for line in lines) for k in config)
+
+
+def test_every_peer_name_points_at_a_key_of_ours():
+    from config import PEER_KEYS
+    assert set(PEER_KEYS.values()) <= set(config) and not set(PEER_KEYS) & set(config)
