@@ -13,7 +13,8 @@ Rows (ratio > 1 means we are faster; the bench_* functions say more): tiny_rollo
 (model.generate's KV cache vs recomputing the prefix), hf_rollout_vs_generate (vs Hugging Face's; _smollm2),
 multiturn_rollout_kv_reuse_vs_reprefill, ppo_update_tokens_per_s (vs an unbatched update),
 ppo_update_skip_zero_advantage (rows without advantage left out of the update vs computed),
-memory_rewards_shared_history_vs_row_per_turn, rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
+memory_rewards_shared_history_vs_row_per_turn, ppo_update_packed_turns_vs_rows_M (pack_turns vs a row per
+turn), rl_step_vs_trl (one RL step vs TRL's GRPOTrainer), and
 ppo_update_bf16_vs_fp32_M, rollout_bf16_vs_fp32_M (bf16 autocast vs float32; M = tiny, smollm2),
 ppo_update_tis_cap_vs_none_M (bf16: tis_cap's trainer old log-probs vs the sampler's; below 1, its cost),
 logprob_chunks_kept_vs_recomputed_M (the update's log-prob chunks kept for backward vs recomputed).
@@ -42,7 +43,7 @@ import torch
 
 from gym import OWNER, Format
 from model import TinyAgent, count_params, generate, pad_after_cache, sample_next, sequence_log_probs, trunk
-from rollout import collate, rollout_batch
+from rollout import collate, rollout_batch, run_tasks
 import advantage
 import model as model_lib
 import train
@@ -285,6 +286,42 @@ def bench_memory_rewards(args, sz):
                note=f'{len(trajs)} oracle episodes, {turns} scored turns, histories of '
                     f'{min(len(t.ids) for t in trajs)}-{max(len(t.ids) for t in trajs)} tokens, '
                     f'{count_params(model) / 1e6:.2f}M params; max |difference| {gap:.1e}')
+
+
+def bench_packed_turns(args, sz):
+    """train.ppo_update on the folded memory gym's scripted episodes (its warm start's), each episode's
+    turns packed into one row (pack_turns) vs one row per turn: the tiny config and SmolLM2's recipe
+    (config/smollm2_memory.yaml: bf16 where the CPU has it, 2 mini-batches). lr 0, so every repetition
+    scores the same weights. The same step up to rounding (tests/test_update_exact.py); the note gives
+    the tokens of each."""
+    from config import load_config, resolve_dtype
+    from gym import load_gym
+    rows = []
+    for name, path in [('tiny', 'config/tiny_mem.yaml'), ('smollm2', 'config/smollm2_memory.yaml')][:2 if sz['smollm2'] else 1]:
+        cfg = load_config([os.path.join(os.path.dirname(os.path.abspath(__file__)), path), f'--device={args.device}'])
+        resolve_dtype(cfg)
+        gym_ = load_gym(cfg)
+        try:
+            model = model_lib.load_policy(cfg, gym_['tok'].vocab_size)
+        except (OSError, ValueError) as e:
+            print(f'skip ppo_update_packed_turns_vs_rows_{name}: {str(e).splitlines()[0]}')
+            continue
+        rng = random.Random(0)
+        n = sz['mem_B'] if name == 'tiny' else min(sz['mem_B'], 16)
+        tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
+        trajs = run_tasks([gym_['warm_policy'](rng) for _ in range(n)], gym_, cfg, tasks)
+        batches = [collate(trajs, gym_['fmt'].pad_id, pack) for pack in (True, False)]
+        outcome = torch.tensor([1.0, -1.0] * n)[:n]  # every episode trained
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        update = lambda b: train.ppo_update(model, opt, b, advantage.token_advantages(outcome, b['row_episode'], b['action_mask']),
+                                            None, cfg, random.Random(0))
+        t = median_times([lambda: update(batches[0]), lambda: update(batches[1])], args.device,
+                         sz['reps'] if name == 'tiny' else min(sz['reps'], 3), sz['warmup'])
+        tokens = [int(b['attention_mask'].sum()) for b in batches]
+        rows.append(row(f'ppo_update_packed_turns_vs_rows_{name}', n / t[0], n / t[1], 'episodes/s',
+                        note=f"{n} episodes, {len(batches[1]['ids'])} rows of {tokens[1]} tokens packed into {n} rows of "
+                             f"{tokens[0]}; {cfg['dtype']}"))
+    return rows
 
 
 def tiny_qwen3_model(args, sz, seed=0):
@@ -579,7 +616,7 @@ def main(argv=None):
                                                   151669, 151643)],
                    smollm2=lambda: bench_smollm2(args, sz) if sz['smollm2'] else [],
                    ppo=lambda: [bench_ppo(args, sz, peak), bench_skip_zero_advantage(args, sz)],
-                   mem=lambda: [bench_memory_rewards(args, sz)], bf16=lambda: bench_bf16(args, sz),
+                   mem=lambda: [bench_memory_rewards(args, sz)] + bench_packed_turns(args, sz), bf16=lambda: bench_bf16(args, sz),
                    rl=lambda: bench_rl_step(args, sz))
     for key, fn in benches.items():
         if key in only:

@@ -49,6 +49,7 @@ config = dict(
     temperature=1.0,             # sampling temperature of rollouts (evaluation's greedy runs ignore it)
     keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)
     kv_reuse=False,              # keep the KV cache of the prefix a turn shares with the last one (rollout.py)
+    pack_turns=False,            # folded turns train as one row per episode, their shared prompt once (rollout.pack_rows)
     # gym data and sizes
     data='',                     # gym searchqa: hotpotqa | bamboogle | a JSONL path of {id, question, answers}
     prompt_style='train',        # gym searchqa: 'train' (bare question) | 'eval' (format instructions)

@@ -84,7 +84,8 @@ class TinyAgent(nn.Module):
             nn.init.zeros_(m.bias)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None):
-        """Final hidden states [B, T, C] and the new cache (a list of (k, v) per layer, [B, H, S, D])."""
+        """Final hidden states [B, T, C] and the new cache (a list of (k, v) per layer, [B, H, S, D]).
+        attention_mask: [B, S] (1 on real tokens), or a ready [B, 1, T, T] bool mask with position_ids."""
         B, T = input_ids.shape
         past = past_key_values[0][0].shape[2] if past_key_values else 0
         if attention_mask is None:
@@ -93,11 +94,13 @@ class TinyAgent(nn.Module):
             position_ids = position_ids_from_mask(attention_mask)[:, past:]
         if int(position_ids.max()) >= self.max_len:
             raise ValueError(f'sequence of {int(position_ids.max()) + 1} positions exceeds max_len={self.max_len}')
-        # query i (absolute index past+i) sees key j if j <= past+i and key j is not padding
-        causal = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
-        self_key = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past).triu(past)
-        # a padding query still sees itself, so no softmax row is empty (an empty row gives NaN)
-        mask = (causal[None, None] & attention_mask[:, None, None, :].bool()) | self_key  # [B, 1, T, S]
+        if attention_mask.dim() == 4:  # already [B, 1, T, T] (packed_attention)
+            mask = attention_mask
+        else:  # query i (absolute index past+i) sees key j if j <= past+i and key j is not padding
+            causal = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
+            self_key = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past).triu(past)
+            # a padding query still sees itself, so no softmax row is empty (an empty row gives NaN)
+            mask = (causal[None, None] & attention_mask[:, None, None, :].bool()) | self_key  # [B, 1, T, S]
         x = self.wte(input_ids)
         rotary = rotary_angles(position_ids, self.config.n_embd // self.config.n_head)
         new_cache = []
@@ -125,11 +128,32 @@ def position_ids_from_mask(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def trunk(model, ids, attention_mask=None):
-    """Final hidden states [B, T, C] of a TinyAgent or a Hugging Face causal LM (no KV cache)."""
+def packed_attention(attention_mask, segments):
+    """The attention of packed rows (rollout.pack_rows): attention_mask, segments [B, T] -> (mask
+    [B, 1, T, T] bool, position_ids [B, T]). Query i sees key j <= i when j is real and in the shared
+    part (segment 0) or in i's segment; a padding query sees itself (no empty softmax row). A segment's
+    tokens continue the shared part's positions, as in the row they came from."""
+    B, T = segments.shape
+    real = attention_mask.bool()
+    idx = torch.arange(T, device=segments.device).expand(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    sees = (segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])  # [B, query, key]
+    mask = (causal & sees & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=segments.device)
+    starts = segments != torch.cat([segments.new_full((B, 1), -1), segments[:, :-1]], 1)  # a segment's first token
+    start = torch.where(starts, idx, 0).cummax(1).values  # [B, T]: where each token's segment starts
+    shared = ((segments == 0) & real).sum(1, keepdim=True)
+    pos = torch.where(segments == 0, idx, shared + idx - start) * real
+    return mask[:, None], pos
+
+
+def trunk(model, ids, attention_mask=None, segments=None):
+    """Final hidden states [B, T, C] of a TinyAgent or a Hugging Face causal LM (no KV cache).
+    segments [B, T] (collate's; packed rows where non-zero) switches to packed_attention."""
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
     pos = position_ids_from_mask(attention_mask)
+    if segments is not None and bool(segments.any()):
+        attention_mask, pos = packed_attention(attention_mask, segments)
     if isinstance(model, TinyAgent):
         return model.hidden(ids, attention_mask, pos)[0]
     return model.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
@@ -283,7 +307,7 @@ LOGITS_KEPT_BYTES = 2 ** 30  # sequence_log_probs keeps the log-softmax of up to
 
 
 def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1024, with_entropy=False,
-                       positions=None, kept_share=1.0):
+                       positions=None, kept_share=1.0, segments=None):
     """Log-probability of each next token under `model`: ids [B, T] -> logp [B, T-1] (float32).
 
     Column j scores token j+1 given tokens 0..j, aligned with action_mask [B, T-1]; logits divided by
@@ -292,10 +316,11 @@ def sequence_log_probs(model, ids, attention_mask=None, temperature=1.0, chunk=1
     would keep more than kept_share x LOGITS_KEPT_BYTES (a caller that runs one backward over n calls
     passes 1/n), a single chunk never (a [B, T, V] logits tensor of a 152k vocabulary takes
     gigabytes); other entries are 0. with_entropy=True also returns
-    the entropy [B, T-1] of each tempered next-token distribution (nats)."""
+    the entropy [B, T-1] of each tempered next-token distribution (nats). segments [B, T]: packed
+    rows (trunk), whose positions before another segment are scored too but predict nothing."""
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
-    h = trunk(model, ids, attention_mask)[:, :-1]  # [B, T-1, C]
+    h = trunk(model, ids, attention_mask, segments)[:, :-1]  # [B, T-1, C]
     keep = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool() if positions is None else positions.bool()
     hk, tk = h[keep], ids[:, 1:][keep]  # [N, C], [N]
     weight = model.get_output_embeddings().weight if not isinstance(model, TinyAgent) else model.lm_head.weight
@@ -572,6 +597,14 @@ def is_reference(model, ref_model):
     return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
 
 
+def batch_rows(batch, rows, L, device):
+    """ids, attention_mask, segments [n, L] of rows [n] of a collated batch, on device (segments None
+    in a batch made without them: no packed rows)."""
+    seg = batch.get('segments')
+    return (batch['ids'][rows, :L].to(device), batch['attention_mask'][rows, :L].to(device),
+            None if seg is None else seg[rows, :L].to(device))
+
+
 @torch.no_grad()
 def batch_log_probs(model, batch, cfg, row_groups=None, mask=None):
     """No-grad log-probs [R, T-1] of a collated batch at the sampling temperature, in micro-batches of
@@ -586,10 +619,10 @@ def batch_log_probs(model, batch, cfg, row_groups=None, mask=None):
             L = max(lengths[i] for i in r.tolist())
             if mask is not None and not mask[r, :L - 1].any():
                 continue
+            ids, attn, seg = batch_rows(batch, r, L, dev)
             with autocast(cfg):
-                out[r, :L - 1] = sequence_log_probs(model, batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev),
-                                                    cfg['temperature'], positions=None if mask is None else
-                                                    mask[r, :L - 1].to(dev)).float().cpu()
+                out[r, :L - 1] = sequence_log_probs(model, ids, attn, cfg['temperature'], segments=seg, positions=None
+                                                    if mask is None else mask[r, :L - 1].to(dev)).float().cpu()
     return out
 
 

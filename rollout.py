@@ -10,7 +10,8 @@ Each turn also keeps the exact context ids the policy was conditioned on. Withou
 contexts extend one another and an episode trains as one row (its full sequence). With MemPO's
 folding (keep_tool_results=1) a turn's context is the prompt, the last <mem> span and the last
 observation, so each turn trains as its own row, scored in exactly the context it was sampled in
-(MEM1 trains on a context that differs from its rollout context; we must not).
+(MEM1 trains on a context that differs from its rollout context; we must not). pack_turns packs an
+episode's rows into one that holds their shared prompt once (pack_rows): still each turn's context.
 
 Simplifications, on purpose:
 1. Each turn prefills its context in one batched forward and then decodes with the KV cache. By
@@ -299,18 +300,56 @@ def episode_rows(row_episode, n_episodes):
     return rows
 
 
-def collate(trajs, pad_id):
+PER_TARGET = dict(action_mask=0.0, sample_logp=0.0, turn_ids=-1, mem_mask=0.0)  # [T-1] row keys, their padding
+
+
+def pack_rows(rows):
+    """One episode's training rows -> one row that holds their common prefix once (pack_turns).
+
+    With folding every turn's row starts with the same prompt, about half of SmolLM2's memory rows. The
+    packed row is the shared prefix S (the common prefix less its last token) followed by each row's
+    rest, a segment that starts with that last common token, so every target of a segment is predicted
+    inside it. segments [T] is 0 on S and k on row k's segment (k >= 1): a token sees S and the earlier
+    tokens of its own segment, at the positions it had in its row (model.packed_attention), so each
+    log-prob is the row's up to float rounding. A segment's last position predicts nothing (masks 0,
+    turn -1). S stops before any target that more than one row trains (a token counted twice stays
+    twice). Returns the rows unchanged when they share nothing or there is one."""
+    n = min(len(r['ids']) for r in rows)
+    if len(rows) < 2 or n < 2:
+        return rows
+    ids = torch.stack([r['ids'][:n] for r in rows])  # [K, n]
+    differ = (ids != ids[0]).any(0).nonzero()
+    p = max(0, (int(differ[0]) if len(differ) else n) - 1)  # the shared part: the common prefix less its last token
+    twice = (torch.stack([r['action_mask'][:p] for r in rows]).sum(0) > 1).nonzero()
+    p = int(twice[0]) if len(twice) else p
+    if p == 0:
+        return rows
+    src = torch.stack([r['action_mask'][:p] for r in rows]).argmax(0)  # each shared target from the row that trains it
+    out = dict(ids=torch.cat([rows[0]['ids'][:p]] + [r['ids'][p:] for r in rows]),
+               owner=torch.cat([rows[0]['owner'][:p]] + [r['owner'][p:] for r in rows]),
+               segments=torch.cat([torch.zeros(p, dtype=torch.long)] +
+                                  [torch.full((len(r['ids']) - p,), k + 1) for k, r in enumerate(rows)]))
+    for key, pad in PER_TARGET.items():
+        shared = torch.stack([r[key][:p] for r in rows]).gather(0, src[None]).squeeze(0)
+        gap = torch.full((1,), pad, dtype=rows[0][key].dtype)  # a segment's last token predicts nothing
+        out[key] = torch.cat([shared] + [t for r in rows for t in (r[key][p:], gap)][:-1])
+    return [out]
+
+
+def collate(trajs, pad_id, pack=False):
     """Pad the training rows of trajectories into a batch.
 
-    Returns ids, attention_mask [R, L]; action_mask, sample_logp, turn_ids, mem_mask [R, L-1] (aligned
-    to ids[:, 1:], padding 0 / turn -1); row_episode [R] (index into trajs); rewards, group_ids,
-    valid [N] per episode. R >= N: a folded episode has one row per turn. Every episode has a row:
+    Returns ids, attention_mask, segments [R, L]; action_mask, sample_logp, turn_ids, mem_mask [R, L-1]
+    (aligned to ids[:, 1:], padding 0 / turn -1); row_episode [R] (index into trajs); rewards,
+    group_ids, valid [N] per episode. R >= N: a folded episode has one row per turn, or with pack one
+    row of segments (pack_rows; segments 0 everywhere else). Every episode has a row:
     gym.check_prompts_fit, at set-up, makes sure every first turn fits max_len."""
-    rows = [(n, r) for n, t in enumerate(trajs) for r in t.rows]
+    rows = [(n, r) for n, t in enumerate(trajs) for r in (pack_rows(t.rows) if pack else t.rows)]
     L = max(len(r['ids']) for _, r in rows)
     return dict(
         ids=pad_stack([r['ids'] for _, r in rows], L, pad_id),
         attention_mask=pad_stack([torch.ones(len(r['ids']), dtype=torch.long) for _, r in rows], L, 0),
+        segments=pad_stack([r.get('segments', torch.zeros(len(r['ids']), dtype=torch.long)) for _, r in rows], L, 0),
         action_mask=pad_stack([r['action_mask'] for _, r in rows], L - 1, 0.0),
         sample_logp=pad_stack([r['sample_logp'] for _, r in rows], L - 1, 0.0),
         turn_ids=pad_stack([r['turn_ids'] for _, r in rows], L - 1, -1),

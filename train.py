@@ -29,8 +29,8 @@ import report
 from advantage import compute_advantages, keep_groups_with_signal, tis_weights
 from config import all_reduce, check_run, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
 from gym import GymContractError, OutOfVocabulary, load_gym
-from model import (autocast, batch_log_probs, fold_lora, is_reference, load_policy, merged, micro_batches, peak_memory_gb,
-                   reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
+from model import (autocast, batch_log_probs, batch_rows, fold_lora, is_reference, load_policy, merged, micro_batches,
+                   peak_memory_gb, reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
 from rollout import collate, episode_rows, full_history_row, run_tasks
 
 # -----------------------------------------------------------------------------
@@ -182,9 +182,9 @@ def minibatch_loss(model, batch, rows, mask, w, adv, old_logp, ref_logp, cfg, ba
         if not mask[r, :L - 1].any():  # checked on the CPU copy: no device sync per micro-batch
             continue  # nothing to train here (invalid episodes): loss 0, gradient 0
         am = mask[r, :L - 1].to(dev)
+        ids, attn, seg = batch_rows(batch, r, L, dev)
         with autocast(cfg):
-            logp, ent = sequence_log_probs(model, batch['ids'][r, :L].to(dev), batch['attention_mask'][r, :L].to(dev),
-                                           cfg['temperature'], with_entropy=True, positions=am)
+            logp, ent = sequence_log_probs(model, ids, attn, cfg['temperature'], with_entropy=True, positions=am, segments=seg)
         a = adv[r, :L - 1]
         if tis_mask is not None:  # tis_weights on the whole [R, T-1]: each entry rounds as in one pass
             old_logp[r, :L - 1] = logp.detach().cpu()
@@ -275,10 +275,9 @@ def warm_start_loss(model, batch, idx, cfg):
     parts, nll = micro_batches(lengths, cfg['max_tokens_per_microbatch']), 0.0
     for part in parts:
         rows, L = idx[sorted(part)], max(lengths[i] for i in part)
+        ids, attn, seg = batch_rows(batch, rows, L, cfg['device'])
         with autocast(cfg):  # one backward over every part: each keeps a share of the log-softmax bound
-            logp = sequence_log_probs(model, batch['ids'][rows, :L].to(cfg['device']),
-                                      batch['attention_mask'][rows, :L].to(cfg['device']),
-                                      kept_share=1 / len(parts))
+            logp = sequence_log_probs(model, ids, attn, kept_share=1 / len(parts), segments=seg)
         nll = nll - (logp * batch['action_mask'][rows, :L - 1].to(cfg['device'])).sum()
     return nll / batch['action_mask'][idx].sum().clamp(min=1).to(cfg['device'])
 
@@ -302,7 +301,7 @@ def warm_start(model, gym_, cfg, rng):
     trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
     for t in trajs if cfg['warmstart_full'] and cfg['keep_tool_results'] != 'all' else []:
         t.rows.append(full_history_row(t, cfg['max_len']))  # also read the un-folded history (MemPO's P_full)
-    batch, n = collate(trajs, gym_['fmt'].pad_id), len(trajs)
+    batch, n = collate(trajs, gym_['fmt'].pad_id, cfg['pack_turns']), len(trajs)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()
     rows_of = episode_rows(batch['row_episode'], n)  # a step draws episodes, not rows (docstring)
@@ -445,7 +444,7 @@ def main(argv):
         check_invalid(trajs, 'RL')  # invalid episodes stay in the batch with weight 0
         if n_groups > cfg['batch_size']:  # dynamic sampling: groups with signal first (one process)
             trajs, sampled_zero_var = keep_groups_with_signal(trajs, cfg['batch_size'], cfg['truncation_penalty'])
-        batch = collate(trajs, gym_['fmt'].pad_id)  # training rows: one per episode, or per turn when folded
+        batch = collate(trajs, gym_['fmt'].pad_id, cfg['pack_turns'])  # rows: one per episode, or per turn when folded
         ref_logp = reference_log_probs(ref_model, batch, cfg) if ref_model is not None else None  # [R, T-1]
         # advantages: GRPO per group, plus MemPO's memory advantage on <mem> tokens (advantage.py)
         adv, adv_stats = compute_advantages(model, gym_, cfg, trajs, batch, ref_logp)  # [R, T-1]

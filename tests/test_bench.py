@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -56,12 +57,14 @@ def test_smoke_json_rows_have_required_keys_and_names(tmp_path):
     check_rows(rows, ['tiny_rollout_kv_vs_nocache_64', 'tiny_rollout_kv_vs_nocache_128',
                       'tiny_rollout_kv_vs_nocache_256', 'hf_rollout_vs_generate', 'multiturn_rollout_kv_reuse_vs_reprefill',
                       'ppo_update_tokens_per_s', 'ppo_update_skip_zero_advantage',
-                      'memory_rewards_shared_history_vs_row_per_turn'])
-    assert rows[-3]['mfu'] > 0  # against the measured CPU matmul peak
+                      'memory_rewards_shared_history_vs_row_per_turn', 'ppo_update_packed_turns_vs_rows_tiny'])
+    assert rows[-4]['mfu'] > 0  # against the measured CPU matmul peak
     # both updates took the same step from the same weights (every repetition: they stay alike)
-    assert float(rows[-2]['note'].split('max |weight difference| ')[1]) <= 1e-6 and ' of ' in rows[-2]['note']
-    gap = float(rows[-1]['note'].split('max |difference| ')[1])  # the two ways give the same rewards
-    assert gap <= 1e-6 and ' 0 scored turns' not in rows[-1]['note']
+    assert float(rows[-3]['note'].split('max |weight difference| ')[1]) <= 1e-6 and ' of ' in rows[-3]['note']
+    gap = float(rows[-2]['note'].split('max |difference| ')[1])  # the two ways give the same rewards
+    assert gap <= 1e-6 and ' 0 scored turns' not in rows[-2]['note']
+    rows_per_turn, packed = (int(x) for x in re.findall(r'(\d+) rows of', rows[-1]['note']))
+    assert packed < rows_per_turn  # folded turns were packed
 
 
 def test_a_run_stopped_midway_keeps_the_rows_it_finished(tmp_path, monkeypatch):

@@ -312,3 +312,56 @@ def test_prompts_that_leave_no_room_for_a_turn_fail_at_setup():
                 train_tasks=[], eval_tasks=[task])
     n = 1 + len(task.question.split()) + 1
     assert check_prompts_fit(gym_, dict(max_len=n + 24, max_response_tokens=24)) == n
+
+
+def hand_row(ids, action, logp):
+    n = len(ids) - 1
+    return dict(ids=torch.tensor(ids), owner=torch.zeros(len(ids), dtype=torch.long), action_mask=torch.tensor(action, dtype=torch.float32),
+                sample_logp=torch.tensor(logp), turn_ids=torch.arange(n), mem_mask=torch.zeros(n))
+
+
+def test_pack_rows_keeps_the_shared_prefix_once_and_every_target_once():
+    """Two folded rows sharing [1, 2, 3]: the shared part is [1, 2] (the common prefix less its last
+    token), each segment starts with 3; the shared target (row 1's policy token 3) comes from the row
+    that trains it; a segment's last position predicts nothing. A target two rows train stays in both."""
+    r1 = hand_row([1, 2, 3, 7, 8], [0, 1, 1, 1], [0, -.1, -.2, -.3])
+    r2 = hand_row([1, 2, 3, 9, 10, 11], [0, 0, 0, 1, 1], [0, 0, 0, -.4, -.5])
+    (p,) = rollout.pack_rows([r1, r2])
+    assert p['ids'].tolist() == [1, 2, 3, 7, 8, 3, 9, 10, 11] and p['segments'].tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert p['action_mask'].tolist() == [0, 1, 1, 1, 0, 0, 1, 1]
+    assert p['sample_logp'].tolist() == pytest.approx([0, -.1, -.2, -.3, 0, 0, -.4, -.5])
+    assert p['turn_ids'].tolist() == [0, 1, 2, 3, -1, 2, 3, 4]
+    r2['action_mask'][1] = 1  # both rows train token 3: the shared part stops before it
+    (p,) = rollout.pack_rows([r1, r2])
+    assert p['ids'].tolist() == [1, 2, 3, 7, 8, 2, 3, 9, 10, 11] and p['segments'].tolist() == [0] + [1] * 4 + [2] * 5
+    assert p['action_mask'].sum() == r1['action_mask'].sum() + r2['action_mask'].sum() == 6
+    assert rollout.pack_rows([r1]) == [r1]
+    assert rollout.pack_rows([r1, hand_row([5, 2, 3], [0, 1], [0, -1])])[0] is r1  # nothing shared: unchanged
+
+
+@pytest.mark.parametrize('kind', ['tiny', 'qwen3'])
+def test_packed_rows_score_what_their_rows_score(mem_setup, kind):
+    """pack_turns: an episode's folded rows packed into one row (half the tokens here) give every policy
+    token the log-prob it has in its own row (float32, 1e-5), for the TinyAgent and a Hugging Face model
+    (a 4D attention mask); sampled log-probs, turns and memory masks are the same entries in order."""
+    tok, model, fmt = mem_setup
+    if kind == 'qwen3':
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=tok.vocab_size + 8, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             pad_token_id=0, bos_token_id=None, eos_token_id=None)).eval()
+    tasks = gm.make_tasks('train', 12, seed=3)
+    trajs = sampled(mem_setup[1], fmt, [gm.MemoryEnv() for _ in tasks], tasks, CFG)
+    plain, packed = collate(trajs, tok.pad_id), collate(trajs, tok.pad_id, pack=True)
+    assert len(packed['ids']) == len(trajs) < len(plain['ids'])
+    assert packed['attention_mask'].sum() < 0.7 * plain['attention_mask'].sum()
+
+    def per_episode(b, x):  # an episode's trained entries, row after row
+        return [x[(b['row_episode'] == n)][b['action_mask'][b['row_episode'] == n].bool()] for n in range(len(trajs))]
+    with torch.no_grad():
+        logps = [sequence_log_probs(model, b['ids'], b['attention_mask'], segments=b['segments']) for b in (plain, packed)]
+    for a, b in zip(per_episode(plain, logps[0]), per_episode(packed, logps[1])):
+        assert len(a) == len(b) > 0 and (a - b).abs().max() <= 1e-5
+    for key in ('sample_logp', 'turn_ids', 'mem_mask'):
+        assert all(torch.equal(a, b) for a, b in zip(per_episode(plain, plain[key]), per_episode(packed, packed[key])))

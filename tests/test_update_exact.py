@@ -83,8 +83,8 @@ def test_warm_start_step_without_policy_tokens_leaves_the_weights(monkeypatch):
 
     real_collate = T.collate
 
-    def collate(trajs, pad_id):  # episodes 1 and 3: every turn a mistake (action mask 0)
-        b = real_collate(trajs, pad_id)
+    def collate(trajs, pad_id, pack=False):  # episodes 1 and 3: every turn a mistake (action mask 0)
+        b = real_collate(trajs, pad_id, pack)
         b['action_mask'][b['row_episode'] % 2 == 1] = 0
         return b
     monkeypatch.setattr(T, 'collate', collate)
@@ -136,3 +136,34 @@ def test_update_log_probs_have_dropout_off(checkpointing):
     m = T.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, adv, None, cfg, random.Random(0))
     assert m['logp_gap_max'] <= 1e-5 and m['ratio_dev_first_minibatch'] <= 1e-5 and m['grad_norm'] > 0
     assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 mini-batches, one micro-batch each
+
+
+@pytest.mark.parametrize('loss_agg', ['token-mean', 'seq-mean'])
+def test_packed_turns_take_the_same_step(loss_agg):
+    """pack_turns on the folded memory gym: the warm start's loss and a PPO step (2 mini-batches, float32)
+    on packed rows are those of one row per turn: losses to 1e-6, the last gradient to 1e-6 and every
+    weight after two SGD steps to 1e-7 (Adam would scale the rounding of near-zero gradients up to lr),
+    the first ratio 1."""
+    from advantage import token_advantages
+    from rollout import collate, run_tasks
+    cfg = load_config(['config/tiny_mem.yaml', f'--loss_agg={loss_agg}', '--mini_batches=2'])
+    gym_ = load_gym(cfg)
+    torch.manual_seed(0)
+    model = load_policy(cfg, gym_['tok'].vocab_size)
+    trajs = run_tasks(model, gym_, cfg, gym_['train_tasks'][:8], 2, generator=torch.Generator().manual_seed(0))
+    assert max(len(t.rows) for t in trajs) > 2
+    outcome = torch.tensor([1.0, -1.0, 0.5, -0.5] * 4)  # [N] per episode
+    results = []
+    for pack in (False, True):
+        batch = collate(trajs, gym_['fmt'].pad_id, pack)
+        policy = copy.deepcopy(model)
+        ws_loss = T.warm_start_loss(policy, batch, torch.arange(len(batch['ids'])), cfg).item()
+        adv = token_advantages(outcome, batch['row_episode'], batch['action_mask'])
+        m = T.ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=0.1), batch, adv, None, cfg, random.Random(0))
+        results.append((len(batch['ids']), ws_loss, m, weights(policy), [p.grad for p in policy.parameters()]))
+    (rows, ws, m, w, g), (rows_p, ws_p, m_p, w_p, g_p) = results
+    assert rows_p == len(trajs) < rows
+    assert ws_p == pytest.approx(ws, rel=1e-6) and m_p['loss'] == pytest.approx(m['loss'], abs=1e-6)
+    assert m_p['ratio_dev_first_minibatch'] <= 1e-5 and m_p['logp_gap_max'] <= 1e-5 and m_p['grad_norm'] > 0
+    assert max(float((a - b).abs().max()) for a, b in zip(w, w_p)) <= 1e-7
+    assert max(float((a - b).abs().max()) for a, b in zip(g, g_p)) <= 1e-6 < max(float(a.abs().max()) for a in g)
