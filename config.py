@@ -353,7 +353,7 @@ def check_combinations(cfg, defaults):
 def check_run(cfg, master=True):
     """What a training run checks beyond the values, before it makes anything: the device exists, the gym
     is known and reads every gym key set (gym.gym_module); each exits 2 with one line. Warns (rank 0)
-    of settings that run but teach little."""
+    of settings that run but teach little or do nothing."""
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         fail(f"config key 'device' is {cfg['device']!r} but torch sees no CUDA device (use --device=cpu)")
     gym_module(cfg, config)
@@ -364,6 +364,9 @@ def check_run(cfg, master=True):
     if master and cfg['group_size'] == 1:
         print("warning: group_size=1: a group of one is its own baseline, so every outcome advantage is 0 "
               "and RL learns only from the memory advantage and the KL term", file=sys.stderr)
+    if master and cfg['pack_turns'] and cfg['keep_tool_results'] == 'all':
+        print("note: pack_turns with keep_tool_results=all: each episode is one row already, so there is "
+              "nothing to pack", file=sys.stderr)
     if master and cfg['tis_cap'] and cfg['dtype'] == 'float32':
         print("note: tis_cap in float32: the sampler's log-probs are already the trainer's (gap <= 1e-5), so "
               "the correction only adds a forward pass (tis_cap: 0 skips it)", file=sys.stderr)

@@ -376,9 +376,10 @@ def main_eval(opts, rest):
                   tasks=numbers['episodes'] // opts['samples'],
                   samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
     keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']
+    names = dict(tt='tokens processed per episode (tt)', pt='peak context (pt)')  # the JSON keeps the short keys
     print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {opts['samples']}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "
-          + ', '.join(f'{k} {result[k]:.3f}' if isinstance(result[k], float) else f'{k} {result[k]}'
+          + ', '.join(f'{names.get(k, k)} {result[k]:.3f}' if isinstance(result[k], float) else f'{names.get(k, k)} {result[k]}'
                       for k in keys if k in result))
     print(json.dumps(result))
     if opts['json']:

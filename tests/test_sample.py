@@ -408,6 +408,7 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
                            f'--out_dir={tmp_path}'])
     out = capsys.readouterr()
     assert out.out.startswith("policy: the memory gym's scripted policy (--scripted)\n")
+    assert ', tokens processed per episode (tt) ' in out.out and ', peak context (pt) ' in out.out  # named, not bare tt/pt
     assert '\r' not in out.err  # no progress bar in a stderr that is not a terminal (a log file)
     assert numbers['episodes'] == 12 and numbers['em'] == numbers['success_rate'] == numbers['format_ok'] == 1.0
     assert numbers['truncation_rate'] == 0.0 and numbers['pt_k3'] < numbers['ht_k3'] and numbers['em_k3'] == 1.0

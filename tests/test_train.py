@@ -218,12 +218,14 @@ def test_missing_loggers_are_named_before_any_training(tmp_path):
 
 
 def test_group_size_one_warns(one_step, tmp_path):
-    p = train(tmp_path, '--steps=1', '--group_size=1', '--kl_type=k1', '--kl_coef=0.1', '--tis_cap=2')
+    p = train(tmp_path, '--steps=1', '--group_size=1', '--kl_type=k1', '--kl_coef=0.1', '--tis_cap=2', '--pack_turns=true')
     assert 'warning: group_size=1: a group of one is its own baseline' in p.stderr
+    assert 'note: pack_turns with keep_tool_results=all: each episode is one row already' in p.stderr
     assert 'warning: kl_type=k1 as a loss has zero gradient in expectation' in p.stderr
     assert "note: tis_cap in float32: the sampler's log-probs are already the trainer's" in p.stderr
     p = one_step[1]  # --steps=1 with the default group_size 4 and kl_coef 0
     assert 'warning: group_size' not in p.stderr and 'warning: kl_type' not in p.stderr and 'tis_cap' not in p.stderr
+    assert 'pack_turns' not in p.stderr
     copy_run(one_step[0], tmp_path / 'g2')
     p = train(tmp_path / 'g2', '--steps=0', '--resume=True', check=False)  # its checkpoint is at step 1
     assert p.returncode == 2 and p.stderr.strip().endswith('the newest checkpoint is at step 1, past steps=0')
