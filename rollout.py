@@ -320,11 +320,12 @@ def pack_rows(rows):
     ids = torch.stack([r['ids'][:n] for r in rows])  # [K, n]
     differ = (ids != ids[0]).any(0).nonzero()
     p = max(0, (int(differ[0]) if len(differ) else n) - 1)  # the shared part: the common prefix less its last token
-    twice = (torch.stack([r['action_mask'][:p] for r in rows]).sum(0) > 1).nonzero()
+    trained = torch.stack([r['action_mask'][:p] for r in rows])  # [K, p]
+    twice = (trained.sum(0) > 1).nonzero()
     p = int(twice[0]) if len(twice) else p
     if p == 0:
         return rows
-    src = torch.stack([r['action_mask'][:p] for r in rows]).argmax(0)  # each shared target from the row that trains it
+    src = trained[:, :p].argmax(0)  # each shared target from the row that trains it
     out = dict(ids=torch.cat([rows[0]['ids'][:p]] + [r['ids'][p:] for r in rows]),
                owner=torch.cat([rows[0]['owner'][:p]] + [r['owner'][p:] for r in rows]),
                segments=torch.cat([torch.zeros(p, dtype=torch.long)] +
