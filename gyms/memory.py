@@ -33,7 +33,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
 
 MODEL = 'any'
 KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target',
-        'show_budget')
+        'show_budget', 'complete_bonus')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -209,7 +209,8 @@ class MemoryEnv:
     e.g. 'moonfall directed by </mem> <search> moonfall directed by </search>'.
     - well-formed search: observation = the fact sentence ('moonfall directed by ada') or 'no result'
     - well-formed answer: ends the episode; reward = em_count (0..k; answer_reward='all': k only when
-      every objective is right, answers.answer_reward) if the WHOLE episode passes validate_format, else 0.0
+      every objective is right, answers.answer_reward), plus complete_bonus when every objective is
+      right, if the WHOLE episode passes validate_format, else 0.0
     - malformed turn: observation 'error : bad format', counted in n_invalid; the episode goes on
       but its final reward will be 0 (the format check covers every turn). A turn cut at the
       response limit (finish='length') is malformed whatever its text (its text fails the format
@@ -220,8 +221,9 @@ class MemoryEnv:
       the episode first). Under folding the observation is the only place a policy can read it.
     """
 
-    def __init__(self, max_turns=None, require_think=False, answer_reward='em', show_budget=False, turn_limit=None):
-        self.max_turns, self.require_think = max_turns, require_think
+    def __init__(self, max_turns=None, require_think=False, answer_reward='em', show_budget=False, turn_limit=None,
+                 complete_bonus=0.0):
+        self.max_turns, self.require_think, self.complete_bonus = max_turns, require_think, complete_bonus
         self.answer_reward = check_answer_reward(answer_reward)
         self.show_budget, self.turn_limit = show_budget, turn_limit
 
@@ -263,9 +265,10 @@ class MemoryEnv:
     def _finish(self, stop, answer, turn_ok=True):
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         scored = ok and stop == "answer"
-        reward = answer_reward(s, self.answer_reward) if scored else 0.0
-        known = [q for q in self.quality if q is not None]  # success: every objective right AND a valid format
-        info = dict(stop=stop, success=scored and s["em_count"] == s["k"], n_turns=len(self.turns), n_invalid=self.n_invalid,
+        success = scored and s["em_count"] == s["k"]  # every objective right AND a valid format
+        reward = answer_reward(s, self.answer_reward) + self.complete_bonus * success if scored else 0.0
+        known = [q for q in self.quality if q is not None]
+        info = dict(stop=stop, success=success, n_turns=len(self.turns), n_invalid=self.n_invalid,
                     format_ok=ok, format_reason=reason, answer=answer, mem_quality_turns=list(self.quality),
                     answers_found_turns=list(self.n_found),
                     mem_quality=sum(known) / len(known) if known else None, turn_ok=turn_ok, **s)
@@ -463,5 +466,5 @@ def setup(cfg, vocab=None):
         return folded_policy(with_detour(rng, detour, policy) if detour else policy)
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
                 make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"], show_budget=cfg["show_budget"],
-                                           turn_limit=cfg["max_turns"]), warm_policy=warm, baselines={},
-                answer_text=answer_text)
+                                           turn_limit=cfg["max_turns"], complete_bonus=cfg["complete_bonus"]),
+                warm_policy=warm, baselines={}, answer_text=answer_text)

@@ -280,6 +280,24 @@ def test_all_or_nothing_reward_pays_only_a_complete_answer(capsys):
     assert e.value.code == 2 and capsys.readouterr().err == "error: config key 'answer_reward' expects one of em, f1, all, got 'All'\n"
 
 
+def test_complete_bonus_pays_only_a_complete_well_formed_answer():
+    """complete_bonus: a two-part question pays em_count + bonus when both parts are right, em_count
+    alone for one right part, and 0 for a malformed episode; the config key reaches the gym's env."""
+    from config import load_config
+    t = next(t for t in g.make_tasks("train", 50) if len(t.golds) == 2)
+    both, one = " ; ".join(a[0] for a in t.golds), f"{t.golds[0][0]} ; wrong"
+    env = gym.load_gym(load_config(["config/tiny_mem.yaml", "--complete_bonus=1.5", "--train_tasks=4", "--eval_tasks=4"]))["make_env"]()
+    for answer, reward in [(both, 3.5), (one, 1.0)]:
+        env.reset(t)
+        _, r, done, info = env.step(f"m </mem> <answer> {answer} </answer>")
+        assert done and r == reward and info["success"] is (answer == both)
+    env.reset(t)
+    env.step("m </mem> not a tool call")
+    assert env.step(f"m </mem> <answer> {both} </answer>")[1] == 0.0
+    with pytest.raises(SystemExit):
+        load_config(["config/tiny_mem.yaml", "--complete_bonus=-1"])
+
+
 def test_baselines_are_weak():
     ts = g.make_tasks("train", 200)
     assert sum(g.play(t, g.any_answer_policy)[2] for t in ts) == 0
