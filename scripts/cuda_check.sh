@@ -5,7 +5,8 @@
 #     bash scripts/cuda_check.sh 2>&1 | tee cuda_check.log
 # It prints the GPU's name, runs the tests marked cuda, 20 RL steps of config/tiny.yaml on the GPU,
 # 5 steps of a tiny Qwen3 in bf16, 3 of SmolLM2-135M with dtype auto and tis_cap (the gap, the first
-# ratio and the rollout/update seconds printed), and bench.py --quick --only=$BENCH_ONLY (default
+# ratio and the rollout/update seconds printed), 2 of config/smollm2_memory.yaml after a 4-step warm
+# start (kv_reuse and pack_turns's 4D mask on the GPU's attention), and bench.py --quick --only=$BENCH_ONLY (default
 # ppo,bf16: the update's MFU and bf16 against float32; tiny,hf,smollm2,ppo,mem,bf16 adds the rollout
 # rows, several minutes more; rl needs requirements-bench.txt). Put the numbers in docs/RESULTS.md
 # with the GPU's name. Every check runs even when one before it fails (a GPU lease is short); a failed
@@ -39,6 +40,7 @@ step python -m pytest -q -m cuda tests/test_cuda.py
 train_check tiny config/tiny.yaml --steps=20 --eval_every=10 --save_every=0
 train_check qwen3 config/tiny_qwen3_hotpotqa.yaml --dtype=bfloat16 --steps=5
 train_check smollm2 config/smollm2_hotpotqa.yaml --dtype=auto --tis_cap=2 --steps=3 --eval_every=0 --eval_tasks=2
+train_check smollm2_memory config/smollm2_memory.yaml --warmstart_steps=4 --steps=2 --eval_tasks=4 --val_tasks=4 --save_every=0
 step python bench.py --device=cuda --quick --only="${BENCH_ONLY:-ppo,bf16}" --json="$OUT/bench.json"
 echo "== $failed check(s) failed"
 exit "$failed"

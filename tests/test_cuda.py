@@ -9,7 +9,7 @@ import gyms.memory as gm
 import train
 from advantage import grpo_advantage, token_advantages
 from gym import build_tokenizer, word_format
-from model import TinyAgent, tiny_qwen3
+from model import TinyAgent, sequence_log_probs, tiny_qwen3
 from rollout import collate, rollout_batch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')]
@@ -54,3 +54,27 @@ def test_tiny_qwen3_bf16_update_on_cuda():
     m = train.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-4), batch, adv, ref,
                          dict(cfg, mini_batches=1), random.Random(0))
     assert m['bad_steps'] == 0 and m['logp_gap_max'] <= 5e-2 and m['kl'] <= 1e-3
+
+
+def test_packed_rows_score_what_their_rows_score_on_cuda():
+    """pack_turns on the GPU: a tiny Qwen3 (Hugging Face's default attention there, SDPA) given the
+    packed rows' 4D mask scores every policy token as in its own row (float32, 1e-4); the CPU test is
+    tests/test_rollout.py. A broken mask or position moves log-probs by nats, not rounding."""
+    tok = build_tokenizer(gm.memory_texts())
+    torch.manual_seed(0)
+    sampler = TinyAgent(tok.vocab_size, 2, 4, 64, 256).cuda()
+    cfg = dict(train.config, device='cuda', dtype='float32', keep_tool_results=1, max_turns=6, max_response_tokens=16,
+               max_len=256)
+    tasks = gm.make_tasks('train', 8, seed=3)
+    trajs = rollout_batch(sampler, word_format(tok, memory=True), [gm.MemoryEnv() for _ in tasks], tasks, cfg,
+                          generator=torch.Generator('cuda').manual_seed(0))
+    plain, packed = collate(trajs, tok.pad_id), collate(trajs, tok.pad_id, pack=True)
+    assert len(packed['ids']) == len(trajs) < len(plain['ids'])
+    model = tiny_qwen3(seed=0).cuda().eval()
+    with torch.no_grad():
+        logps = [sequence_log_probs(model, b['ids'].cuda(), b['attention_mask'].cuda(), segments=b['segments'].cuda()).cpu()
+                 for b in (plain, packed)]
+    for n in range(len(trajs)):
+        a, b = [x[batch['row_episode'] == n][batch['action_mask'][batch['row_episode'] == n].bool()]
+                for batch, x in ((plain, logps[0]), (packed, logps[1]))]
+        assert len(a) == len(b) > 0 and (a - b).abs().max() <= 1e-4
