@@ -16,7 +16,8 @@ Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --unt
 --metrics_rollout=FILE --curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
 --samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE. Every other argument (a YAML file, --key=value) is train.py's config, on top of the
-checkpoint's own config when out_dir holds one (eval_tasks = how many held-out tasks, 0 = all).
+checkpoint's own config when out_dir holds one (eval_tasks = how many held-out tasks, 0 = all);
+a training key (config.TRAINING_KEYS: --steps, --lr, ...) is refused, as it would change nothing.
 
 Simplifications, on purpose:
 1. The HTML page is static: inline CSS, one <span> per token, no JavaScript. Hovering a token shows
@@ -39,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import config, fail, load_config, parse_options, resolve_dtype
+from config import TRAINING_KEYS, config, fail, load_config, parse_options, resolve_dtype
 from gym import OWNER, load_gym
 from model import load_policy
 from rollout import run_tasks
@@ -256,6 +257,9 @@ def parse_args(argv, defaults=OPTIONS):
     """Split argv into this script's options (`defaults`: names and default values) and the rest
     (train.py's config arguments). Exits 2 with one line on a bad option."""
     opts, rest = parse_options(argv, defaults)
+    for key in [a[2:].partition('=')[0] for a in rest if a.startswith('--')]:
+        if key in TRAINING_KEYS:  # it would be ignored
+            fail(f"--{key} is a training key (config.py); sample.py runs a saved policy and does not read it: drop it")
     if opts['split'] not in SPLITS:
         fail(f"--split must be {', '.join(SPLITS)}, got {opts['split']!r}")
     for key in ('n', 'samples', 'batch'):

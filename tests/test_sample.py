@@ -369,6 +369,19 @@ def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
     assert e.value.code == 2 and 'is not a rollout dump' in err and "KeyError: 'trajs'" in err and err.count('\n') == 1
 
 
+def test_a_training_key_is_refused_not_ignored(tmp_path, capsys):
+    """--steps or --lr on sample.py's command line would change nothing: one line names the key; a
+    rollout key (--max_turns) is not refused there."""
+    for arg in ('--steps=3', '--lr=0.1', '--resume', '--warmstart_steps=2'):
+        with pytest.raises(SystemExit) as e:
+            sample.main([f'--out_dir={tmp_path}', arg])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count('\n') == 1 and f"{arg.partition('=')[0]} is a training key" in err
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--out_dir={tmp_path}', '--max_turns=3'])
+    assert 'no checkpoint in' in capsys.readouterr().err
+
+
 def test_only_corrupt_checkpoints_say_so(tmp_path, capsys):
     (tmp_path / 'ckpt_000002.pt').write_bytes(b'not a checkpoint')
     with pytest.raises(SystemExit) as e:
