@@ -325,7 +325,7 @@ def pack_rows(rows):
     p = int(twice[0]) if len(twice) else p
     if p == 0:
         return rows
-    src = trained[:, :p].argmax(0)  # each shared target from the row that trains it
+    src = trained[:, :p].argmax(0)  # each shared target from the row that trains it (p may have shrunk)
     out = dict(ids=torch.cat([rows[0]['ids'][:p]] + [r['ids'][p:] for r in rows]),
                owner=torch.cat([rows[0]['owner'][:p]] + [r['owner'][p:] for r in rows]),
                segments=torch.cat([torch.zeros(p, dtype=torch.long)] +
