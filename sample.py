@@ -15,7 +15,7 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
 Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --scripted
 --metrics_rollout=FILE --curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
 --samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
---json=FILE. Every other argument (a YAML file, --key=value) is train.py's config, on top of the
+--json=FILE (the numbers and each episode's outcome). Every other argument (a YAML file, --key=value) is train.py's config, on top of the
 checkpoint's own config when out_dir holds one (eval_tasks = how many held-out tasks, 0 = all);
 a training key (config.TRAINING_KEYS: --steps, --lr, ...) is refused, as it would change nothing.
 
@@ -386,9 +386,11 @@ def main_eval(opts, rest):
           + ', '.join(f'{names.get(k, k)} {result[k]:.3f}' if isinstance(result[k], float) else f'{names.get(k, k)} {result[k]}'
                       for k in keys if k in result))
     print(json.dumps(result))
-    if opts['json']:
+    if opts['json']:  # the file adds each episode's outcome, in task order, to compare two policies task by task
+        episodes = [dict(task=getattr(getattr(t, 'task', None), 'id', None), **{k: v for k, v in report.summarise(t).items()
+                                                                                 if k != 'mem_pairs'}) for t in trajs]
         with open(opts['json'], 'w') as f:
-            json.dump(result, f, indent=1)
+            json.dump(dict(result, per_episode=episodes), f, indent=1)
     if opts['html']:
         print('wrote', write_html(opts['html'], trajs, gym_['tok'], title=f"nanoagent · eval · {policy}"))
     return result

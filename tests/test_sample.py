@@ -418,7 +418,7 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     memory gym (the oracle) it answers every held-out question, and folding keeps the peak context below
     the full history."""
     numbers = sample.main(['config/tiny_mem.yaml', '--eval', '--scripted', '--eval_tasks=12', '--show=0',
-                           f'--out_dir={tmp_path}'])
+                           f'--out_dir={tmp_path}', f'--json={tmp_path / "eval.json"}'])
     out = capsys.readouterr()
     assert out.out.startswith("policy: the memory gym's scripted policy (--scripted)\n")
     assert ', tokens processed per episode (tt) ' in out.out and ', peak context (pt) ' in out.out  # named, not bare tt/pt
@@ -427,6 +427,12 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     assert numbers['truncation_rate'] == 0.0 and numbers['pt_k3'] < numbers['ht_k3'] and numbers['em_k3'] == 1.0
     assert not os.path.exists(tmp_path / 'config.json')  # a look, not a run
     assert numbers['decoding'] == 'scripted' and numbers['temperature'] is None
+    saved = json.loads((tmp_path / 'eval.json').read_text())  # the numbers, and each episode's outcome by task
+    assert {k: v for k, v in saved.items() if k != 'per_episode'} == json.loads(json.dumps(numbers))
+    tasks = load_gym(train.load_config(['config/tiny_mem.yaml', '--eval_tasks=12']))['eval_tasks']
+    assert [e['task'] for e in saved['per_episode']] == [t.id for t in tasks] and len(set(e['task'] for e in saved['per_episode'])) == 12
+    assert all(e['success'] and e['em'] == 1.0 and e['stop'] == 'answer' for e in saved['per_episode'])
+    assert 'per_episode' not in numbers  # the printed line stays one short JSON object
     with pytest.raises(SystemExit):  # a split the gym lacks: refused before the policy line
         sample.main(['config/tiny_mem.yaml', '--eval', '--scripted', '--split=val', f'--out_dir={tmp_path}'])
     out = capsys.readouterr()
