@@ -15,8 +15,9 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
 Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --scripted
 --metrics_rollout=FILE --curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
 --samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
---json=FILE (the numbers and each episode's outcome). Every other argument (a YAML file, --key=value) is train.py's config, on top of the
-checkpoint's own config when out_dir holds one (eval_tasks = how many held-out tasks, 0 = all);
+--json=FILE (the numbers and each episode's outcome). Every other argument (a YAML file, --key=value)
+is train.py's config, on top of the checkpoint's own config when out_dir holds one (eval_tasks = how
+many held-out tasks, 0 = all);
 a training key (config.TRAINING_KEYS: --steps, --lr, ...) is refused, as it would change nothing.
 
 Simplifications, on purpose:
