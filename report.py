@@ -122,6 +122,15 @@ def save_checkpoint(state, out_dir, step, keep):
     return path
 
 
+def read_checkpoint(path):
+    """The state dict saved at path (model, step, config, ...). Raises what torch.load raises on a
+    torn or foreign file, and ValueError on a file that loads but is not a nanoagent checkpoint."""
+    state = torch.load(path, map_location='cpu', weights_only=False)  # our own file
+    if not isinstance(state, dict) or not {'model', 'step', 'config'} <= set(state):
+        raise ValueError('not a nanoagent checkpoint')
+    return state
+
+
 def load_latest_checkpoint(out_dir, if_all_corrupt):
     """The newest checkpoint in out_dir that loads; a corrupt one is reported and skipped.
     Returns (state, path) or (None, None) when there is none. When there are checkpoints but none
@@ -129,10 +138,7 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
     paths = sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS)), reverse=True)
     for path in paths:
         try:
-            state = torch.load(path, map_location='cpu', weights_only=False)
-            if not isinstance(state, dict) or not {'model', 'step', 'config'} <= set(state):
-                raise ValueError('not a nanoagent checkpoint')
-            return state, path
+            return read_checkpoint(path), path
         except Exception as e:
             print(f'checkpoint {path} is corrupt ({type(e).__name__}); trying the previous one', file=sys.stderr)
     if paths:

@@ -11,9 +11,11 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
     python sample.py config/smollm2_hotpotqa.yaml --eval --eval_tasks=50 --untrained   # zero-shot
     python sample.py config/smollm2_memory.yaml --eval --scripted   # the warm start's scripted policy
     python sample.py --out_dir=out/q --eval --sampled --samples=4 --json=eval.json
+    python sample.py --ckpt=out/q/ckpt_000000.pt --eval --split=val --json=step0.json   # one checkpoint
 
 Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --scripted
---metrics_rollout=FILE --curves=FILE; with --eval: --sampled (sample at the config's temperature; default greedy),
+--ckpt=FILE (this checkpoint, not out_dir's newest) --metrics_rollout=FILE --curves=FILE;
+with --eval: --sampled (sample at the config's temperature; default greedy),
 --samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE (the numbers and each episode's outcome). Every other argument (a YAML file, --key=value)
 is train.py's config, on top of the checkpoint's own config when out_dir holds one (eval_tasks = how
@@ -48,7 +50,7 @@ from rollout import run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
 OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scripted=False, metrics_rollout='', curves='',
-               eval=False, sampled=False, samples=1, batch=16, show=2, json='')
+               eval=False, sampled=False, samples=1, batch=16, show=2, json='', ckpt='')
 
 # -----------------------------------------------------------------------------
 # running episodes
@@ -270,6 +272,11 @@ def parse_args(argv, defaults=OPTIONS):
         fail(f"--show must be >= 0, got {opts['show']}")
     if opts['scripted'] and (opts['untrained'] or opts['metrics_rollout']):
         fail(f"--scripted runs the gym's scripted policy, not a model: drop --{'untrained' if opts['untrained'] else 'metrics_rollout'}")
+    clash = [k for k in ('untrained', 'scripted', 'metrics_rollout', 'curves') if opts['ckpt'] and opts[k]]
+    if clash:  # they run no checkpoint, so --ckpt would be ignored
+        fail(f"--ckpt does nothing with --{clash[0]}: drop one of them")
+    if opts['ckpt'] and not os.path.isfile(opts['ckpt']):
+        fail(f"--ckpt={opts['ckpt']}: no such file (a run's checkpoints are out_dir/ckpt_<step>.pt)")
     for key, others in (('metrics_rollout', ('eval', 'untrained', 'split', 'n', 'greedy', 'curves')), ('eval', ('curves', 'n', 'greedy'))):
         clash = [k for k in others if opts[key] and opts[k] != defaults[k]]  # they would be ignored
         if clash:
@@ -298,15 +305,16 @@ def run_config(rest, saved):
     return load_config(rest, dict(config, **saved))
 
 
-def load_run(rest, untrained=False, scripted=False, split='heldout'):
+def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
-    the newest checkpoint in cfg['out_dir'], built from the checkpoint's own config (and vocabulary)
-    with `rest` on top, or, with untrained=True, the policy cfg['model'] as train.py would build it
-    before training (from out_dir/config.json when the run wrote one, with `rest` on top), or, with
-    scripted=True, no model: the gym's scripted policy gym_['warm_policy'] (the config as untrained
-    reads it), rendered in cfg['model']'s tokens. Exits 2 when there is no checkpoint that loads and
-    neither is set, when the gym has no scripted policy or no tasks of split (before the model
-    loads). A CUDA config falls back to the CPU without a GPU."""
+    the newest checkpoint in cfg['out_dir'] (or the file `ckpt`), built from the checkpoint's own
+    config (and vocabulary) with `rest` on top, or, with untrained=True, the policy cfg['model'] as
+    train.py would build it before training (from out_dir/config.json when the run wrote one, with
+    `rest` on top), or, with scripted=True, no model: the gym's scripted policy gym_['warm_policy']
+    (the config as untrained reads it), rendered in cfg['model']'s tokens. Exits 2 when there is no
+    checkpoint that loads and neither is set, when `ckpt` is not a checkpoint, when the gym has no
+    scripted policy or no tasks of split (before the model loads). A CUDA config falls back to the
+    CPU without a GPU."""
     untrained = untrained or scripted
     cfg = load_config(rest)
     try:
@@ -315,7 +323,12 @@ def load_run(rest, untrained=False, scripted=False, split='heldout'):
         fail(str(e))
     if saved is not None:  # the run's gym and model, before its training
         cfg = run_config(rest, saved)
-    state, path = (None, None) if untrained else report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
+    state, path = (None, None) if untrained or ckpt else report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
+    if ckpt:
+        try:
+            state, path = report.read_checkpoint(ckpt), ckpt
+        except Exception as e:  # a torn file, metrics.jsonl, a rollout dump
+            fail(f"--ckpt={ckpt} is not a nanoagent checkpoint ({type(e).__name__})")
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
@@ -369,7 +382,7 @@ def load_dump(path, rest):
 def main_eval(opts, rest):
     """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
-    cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'])
+    cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
     numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'])
     for t in trajs[:opts['show']]:
         print_episode(t, gym_['tok'])
@@ -412,7 +425,7 @@ def main(argv):
     if opts['metrics_rollout']:
         cfg, gym_, trajs, advantages, title = load_dump(opts['metrics_rollout'], rest)
     else:
-        cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'])
+        cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
         title = f"{cfg['gym']} · {policy} · {opts['split']} · {'greedy' if opts['greedy'] else 'sampled'}"
         trajs = run_episodes(model, gym_, cfg, opts['split'], opts['n'], opts['greedy'])
     for t in trajs:

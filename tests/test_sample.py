@@ -203,6 +203,11 @@ def test_cli_checkpoint_and_rollout_dump(memory, tmp_path, capsys):
     sample.main([f'--out_dir={tmp_path}', '--n=2', '--greedy', f'--html={html}'])
     out = capsys.readouterr().out
     assert 'ckpt_000007.pt (step 7)' in out and out.count('=== task') == 2 and html.exists()
+    report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=9, config=cfg), str(tmp_path), 9, 2)
+    sample.main([f'--out_dir={tmp_path}', '--n=1'])  # the newest, unless --ckpt names another
+    assert 'policy: ckpt_000009.pt (step 9)' in capsys.readouterr().out
+    sample.main([f'--ckpt={tmp_path / "ckpt_000007.pt"}', '--n=1'])  # its own config: no --out_dir needed
+    assert 'policy: ckpt_000007.pt (step 7)' in capsys.readouterr().out
     batch = collate(sampled, g['fmt'].pad_id)
     dump = report.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
     sample.main([f'--metrics_rollout={dump}', f'--html={html}'])
@@ -298,6 +303,9 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
     ('sample.py', ['--curves=c.pdf', '--untrained'], '--curves=c.pdf: expected a file name ending in .png'),
     ('sample.py', ['--eval', '--scripted', '--untrained'], "--scripted runs the gym's scripted policy, not a model: drop --untrained"),
     ('sample.py', ['--metrics_rollout=r.pt', '--n=2'], '--n does nothing with --metrics_rollout: drop one of them'),
+    ('sample.py', ['--ckpt=/nonexistent/c.pt'], '--ckpt=/nonexistent/c.pt: no such file'),
+    ('sample.py', ['--ckpt=README.md'], '--ckpt=README.md is not a nanoagent checkpoint (UnpicklingError)'),
+    ('sample.py', ['--ckpt=README.md', '--untrained'], '--ckpt does nothing with --untrained: drop one of them'),
     ('sample.py', ['--metrics_rollout=r.pt', '--eval'], '--eval does nothing with --metrics_rollout: drop one of them'),
     ('sample.py', ['--eval', '--curves=c.png', '--untrained'], '--curves does nothing with --eval: drop one of them'),
 ])
