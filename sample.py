@@ -323,12 +323,14 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         fail(str(e))
     if saved is not None:  # the run's gym and model, before its training
         cfg = run_config(rest, saved)
-    state, path = (None, None) if untrained or ckpt else report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
+    state, path = None, None
     if ckpt:
         try:
             state, path = report.read_checkpoint(ckpt), ckpt
         except Exception as e:  # a torn file, metrics.jsonl, a rollout dump
             fail(f"--ckpt={ckpt} is not a nanoagent checkpoint ({type(e).__name__})")
+    elif not untrained:
+        state, path = report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
@@ -401,8 +403,8 @@ def main_eval(opts, rest):
                       for k in keys if k in result))
     print(json.dumps(result))
     if opts['json']:  # the file adds each episode's outcome, in task order, to compare two policies task by task
-        episodes = [dict(task=getattr(getattr(t, 'task', None), 'id', None), **{k: v for k, v in report.summarise(t).items()
-                                                                                 if k != 'mem_pairs'}) for t in trajs]
+        episodes = [dict(task=_task_id(t.task), **{k: v for k, v in report.summarise(t).items() if k != 'mem_pairs'})
+                    for t in trajs]
         with open(opts['json'], 'w') as f:
             json.dump(dict(result, per_episode=episodes), f, indent=1)
     if opts['html']:
