@@ -167,3 +167,20 @@ def test_packed_turns_take_the_same_step(loss_agg):
     assert m_p['ratio_dev_first_minibatch'] <= 1e-5 and m_p['logp_gap_max'] <= 1e-5 and m_p['grad_norm'] > 0
     assert max(float((a - b).abs().max()) for a, b in zip(w, w_p)) <= 1e-7
     assert max(float((a - b).abs().max()) for a, b in zip(g, g_p)) <= 1e-6 < max(float(a.abs().max()) for a in g)
+
+
+def test_reference_log_probs_are_scored_at_policy_tokens_only():
+    """The KL term reads the reference at the policy's tokens (action_mask) alone, so only those are
+    projected onto the vocabulary: there they equal the full pass's values, elsewhere they are 0."""
+    cfg = load_config(['--gym=memory', '--n_embd=32', '--batch_size=1', '--group_size=4', '--kl_coef=0.05',
+                       '--train_tasks=20', '--eval_tasks=4', '--device=cpu'])
+    gym_ = load_gym(cfg, None, config)
+    torch.manual_seed(0)
+    model = load_policy(cfg, gym_['tok'].vocab_size)
+    trajs = T.run_tasks(model, gym_, cfg, gym_['train_tasks'][:1], 4, [0], torch.Generator().manual_seed(0))
+    batch = T.collate(trajs, gym_['fmt'].pad_id)
+    ref_logp, full = T.reference_log_probs(model, batch, cfg), T.batch_log_probs(model, batch, cfg)
+    action, real = batch['action_mask'].bool(), batch['attention_mask'][:, 1:].bool()
+    assert (real & ~action).any() and (full[real & ~action] != 0).all()  # prompts and observations are scored in full
+    assert (ref_logp[~action] == 0).all()
+    assert torch.allclose(ref_logp[action], full[action], atol=1e-6) and (ref_logp[action] < 0).all()
