@@ -280,6 +280,19 @@ def run_tasks(policy, gym_, cfg, tasks, group_size=1, groups=None, generator=Non
                          groups=[g for g, _ in reps], generator=generator, temperature=temperature)
 
 
+EVAL_EPISODES_PER_BATCH = 512  # an evaluation rolls out at most this many episodes at once
+EVAL_SEED_OFFSETS = {'eval_tasks': 0, 'val_tasks': 1 << 32, 'train_tasks': 2 << 32}  # a split's own stream
+
+
+def eval_generator(cfg, split, step, rank=0):
+    """The generator an evaluation of gym_[split] ('eval_tasks', 'val_tasks' or 'train_tasks') at
+    training step `step` samples from, seeded by cfg['seed'], the step, the split and the process's
+    rank. Its own: evaluating never shifts training's random streams. train.py's evaluation and
+    sample.py --eval of that step's checkpoint draw from the same one, so they print the same numbers."""
+    seed = cfg['seed'] * 7919 + step * 104729 + rank + EVAL_SEED_OFFSETS[split]
+    return torch.Generator(device=cfg['device']).manual_seed(seed)
+
+
 # -----------------------------------------------------------------------------
 # collate
 

@@ -16,8 +16,12 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
 Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --scripted
 --ckpt=FILE (this checkpoint, not out_dir's newest) --metrics_rollout=FILE --curves=FILE;
 with --eval: --sampled (sample at the config's temperature; default greedy),
---samples=1 (episodes per task), --batch=16 (episodes per rollout batch), --show=2 (episodes printed),
---json=FILE (the numbers and each episode's outcome). Every other argument (a YAML file, --key=value)
+--samples=1 (episodes per task), --batch=512 (episodes per rollout batch), --show=2 (episodes printed),
+--json=FILE (the numbers and each episode's outcome). A checkpoint's --eval samples from the generator
+train.py's evaluation used at its step, in train.py's batches: greedy prints the run's eval_greedy_success,
+and --sampled --samples=E (E = the run's eval_samples) its eval_success_rate and other eval_* numbers
+(eval_val_* with --split=val). Another --batch changes sampled numbers, and bf16 greedy ones a little.
+Every other argument (a YAML file, --key=value)
 is train.py's config, on top of the checkpoint's own config when out_dir holds one (eval_tasks = how
 many held-out tasks, 0 = all);
 a training key (config.TRAINING_KEYS: --steps, --lr, ...) is refused, as it would change nothing.
@@ -46,11 +50,11 @@ import report
 from config import TRAINING_KEYS, config, fail, load_config, parse_options, resolve_dtype
 from gym import OWNER, load_gym
 from model import load_policy
-from rollout import run_tasks
+from rollout import EVAL_EPISODES_PER_BATCH, eval_generator, run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
 OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scripted=False, metrics_rollout='', curves='',
-               eval=False, sampled=False, samples=1, batch=16, show=2, json='', ckpt='')
+               eval=False, sampled=False, samples=1, batch=EVAL_EPISODES_PER_BATCH, show=2, json='', ckpt='')
 
 # -----------------------------------------------------------------------------
 # running episodes
@@ -92,13 +96,15 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
 
 
 @torch.no_grad()
-def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=16, split='heldout'):
+def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_BATCH, split='heldout', step=0):
     """Every task of gym_'s split (held-out by default), `samples` times, `batch` episodes per rollout batch. Returns
     (metrics dict, trajectories): train.py's episode metrics (format validity among them) plus turns,
-    invalid turns and stop reasons. Sampling draws from a generator seeded by cfg['seed']: the same arguments give
-    the same numbers on CPU."""
+    invalid turns and stop reasons. Sampling draws from the generator train.py's evaluation at training step
+    `step` draws from (rollout.eval_generator), and the default batch is train.py's: a checkpoint of that
+    step gives the numbers its run logged (greedy: eval_greedy_success; samples=eval_samples, greedy=False:
+    eval_success_rate and the other eval_* metrics; eval_val_* with split='val')."""
     tasks, rng = split_tasks(gym_, split), random.Random(cfg['seed'])
-    gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'])
+    gen = eval_generator(cfg, SPLITS[split], step)
     per = max(1, batch // samples)  # tasks per rollout batch; a task's samples stay together
     trajs = []
     for i in tqdm(range(0, len(tasks), per), desc='eval', unit='batch', leave=False, disable=not sys.stderr.isatty()):
@@ -314,7 +320,8 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     (the config as untrained reads it), rendered in cfg['model']'s tokens. Exits 2 when there is no
     checkpoint that loads and neither is set, when `ckpt` is not a checkpoint, when the gym has no
     scripted policy or no tasks of split (before the model loads). A CUDA config falls back to the
-    CPU without a GPU."""
+    CPU without a GPU. Returns (cfg, gym_, model, description, step): the checkpoint's training step, 0
+    without one."""
     untrained = untrained or scripted
     cfg = load_config(rest)
     try:
@@ -352,7 +359,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         if gym_['warm_policy'] is None:
             fail(f"--scripted: gym {cfg['gym']!r} has no scripted policy")
         print(f"policy: the {cfg['gym']} gym's scripted policy (--scripted)")
-        return cfg, gym_, gym_['warm_policy'], 'scripted policy (--scripted)'
+        return cfg, gym_, gym_['warm_policy'], 'scripted policy (--scripted)', 0
     try:
         model = load_policy(cfg, gym_['tok'].vocab_size)
     except OSError as e:
@@ -362,7 +369,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
         f"untrained {cfg['model']} (--untrained{', the config of ' + os.path.join(cfg['out_dir'], report.CONFIG) if saved else ''})"
     print(f'policy: {policy}')
-    return cfg, gym_, model, policy
+    return cfg, gym_, model, policy, state['step'] if state is not None else 0
 
 
 def load_dump(path, rest):
@@ -384,14 +391,14 @@ def load_dump(path, rest):
 def main_eval(opts, rest):
     """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
-    cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
-    numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'])
+    cfg, gym_, model, policy, step = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
+    numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'], step)
     for t in trajs[:opts['show']]:
         print_episode(t, gym_['tok'])
     settings = {k: cfg[k] for k in ('gym', 'model', 'data', 'prompt_style', 'keep_tool_results', 'max_turns',
                                     'max_response_tokens', 'max_obs_tokens', 'max_len', 'enable_thinking')}
     decoding = 'scripted' if opts['scripted'] else 'sampled' if opts['sampled'] else 'greedy'
-    result = dict(policy=policy, **settings, decoding=decoding,
+    result = dict(policy=policy, step=step, **settings, decoding=decoding,
                   temperature={'sampled': cfg['temperature'], 'greedy': 0.0}.get(decoding), split=opts['split'],
                   tasks=numbers['episodes'] // opts['samples'],
                   samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
@@ -427,7 +434,7 @@ def main(argv):
     if opts['metrics_rollout']:
         cfg, gym_, trajs, advantages, title = load_dump(opts['metrics_rollout'], rest)
     else:
-        cfg, gym_, model, policy = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
+        cfg, gym_, model, policy, _ = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
         title = f"{cfg['gym']} · {policy} · {opts['split']} · {'greedy' if opts['greedy'] else 'sampled'}"
         trajs = run_episodes(model, gym_, cfg, opts['split'], opts['n'], opts['greedy'])
     for t in trajs:

@@ -31,7 +31,7 @@ from config import all_reduce, check_run, config, fail, gather, init_distributed
 from gym import GymContractError, OutOfVocabulary, load_gym
 from model import (autocast, batch_log_probs, batch_rows, fold_lora, is_reference, load_policy, merged, micro_batches,
                    peak_memory_gb, reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
-from rollout import collate, episode_rows, full_history_row, run_tasks
+from rollout import EVAL_EPISODES_PER_BATCH, collate, episode_rows, eval_generator, full_history_row, run_tasks
 
 # -----------------------------------------------------------------------------
 # the loss: one short function a forker replaces (README, "Swap the loss")
@@ -238,22 +238,19 @@ def update_metrics(sums, m, with_kl, n_steps):
 # evaluation and the warm start
 
 
-EVAL_EPISODES_PER_BATCH = 512  # an evaluation rolls out at most this many episodes at once
-
-
 @torch.no_grad()
 def evaluate(model, gym_, cfg, step):
     """Held-out success, greedy (one episode per task) and sampled (eval_samples per task), tasks
-    sharded over ranks. Its own generator, seeded by the step: evaluating never shifts training's
-    random streams. A validation split (gym_['val_tasks']) gets the same as eval_val_*, after
-    held-out and from another seed. Recipes are chosen on validation, never on held-out."""
-    splits = [(gym_['eval_tasks'], 0, 'eval_greedy_success', 'eval_sampled_success', 'eval_')]
+    sharded over ranks. Each split samples from its own generator (rollout.eval_generator), seeded by
+    the step: evaluating never shifts training's random streams, and sample.py --eval of the step's
+    checkpoint prints the same numbers. A validation split (gym_['val_tasks']) gets the same as
+    eval_val_*. Recipes are chosen on validation, never on held-out."""
+    splits = [('eval_tasks', 'eval_greedy_success', 'eval_sampled_success', 'eval_')]
     if gym_.get('val_tasks'):
-        splits.append((gym_['val_tasks'], 1 << 32, 'eval_val_greedy_success', 'eval_val_success', 'eval_val_'))
+        splits.append(('val_tasks', 'eval_val_greedy_success', 'eval_val_success', 'eval_val_'))
     out = {}
-    for split, seed_offset, greedy_key, sampled_key, prefix in splits:
-        tasks = split[rank()::world_size()]
-        gen = torch.Generator(device=cfg['device']).manual_seed(cfg['seed'] * 7919 + step * 104729 + rank() + seed_offset)
+    for split, greedy_key, sampled_key, prefix in splits:
+        tasks, gen = gym_[split][rank()::world_size()], eval_generator(cfg, split, step, rank())
         for key, temp, reps in [(greedy_key, 0.0, 1), (sampled_key, cfg['temperature'], cfg['eval_samples'])]:
             per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
             trajs = [t for i in range(0, len(tasks), per_batch)

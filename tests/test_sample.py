@@ -330,10 +330,10 @@ def test_untrained_with_a_runs_out_dir_builds_that_runs_gym_and_model(memory, tm
     config.json (its gym, its model sizes), flags still on top."""
     cfg, g, _, _, _ = memory
     json.dump(dict(cfg, out_dir=str(tmp_path), n_layer=1, n_head=2, n_embd=32), open(tmp_path / 'config.json', 'w'))
-    got, gym_, model, policy = sample.load_run([f'--out_dir={tmp_path}', '--max_turns=3'], untrained=True)
+    got, gym_, model, policy, _ = sample.load_run([f'--out_dir={tmp_path}', '--max_turns=3'], untrained=True)
     assert got['gym'] == 'memory' and got['n_embd'] == 32 and got['max_turns'] == 3 and gym_['fmt'].mem_span
     assert policy == f"untrained tiny (--untrained, the config of {tmp_path / 'config.json'})"
-    got, _, _, policy = sample.load_run([f"--out_dir={tmp_path / 'none'}"], untrained=True)  # no run there: the defaults
+    got, _, _, policy, _ = sample.load_run([f"--out_dir={tmp_path / 'none'}"], untrained=True)  # no run there: the defaults
     assert policy == 'untrained tiny (--untrained)' and got['gym'] == 'bugfix'
     capsys.readouterr()
     json.dump(dict(cfg, out_dir=str(tmp_path), threads=1000), open(tmp_path / 'config.json', 'w'))  # a bigger machine's run
@@ -448,6 +448,29 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     sample.main(['config/tiny_mem.yaml', '--scripted', '--n=2', f'--out_dir={tmp_path}'])  # episodes as text too
     out = capsys.readouterr().out
     assert '2 episodes: mean reward' in out and 'success 1.000' in out
+
+
+def test_eval_of_a_checkpoint_prints_the_numbers_its_run_logged(tmp_path, capsys):
+    """sample.py --eval on step 7's checkpoint gives what train.evaluate logged at step 7: greedy and
+    sampled (--samples = eval_samples), held-out and validation. The same generator (rollout.eval_generator)
+    and the same batches; sampled token counts differ under any other seeding."""
+    cfg = train.load_config(['config/tiny_mem.yaml', '--train_tasks=16', '--eval_tasks=6', '--val_tasks=5',
+                             '--eval_samples=3', '--n_layer=1', '--n_head=2', '--n_embd=32', '--dtype=float32',
+                             '--device=cpu', f'--out_dir={tmp_path}'])
+    gym_ = load_gym(cfg, None, train.config)
+    torch.manual_seed(0)
+    model = train.load_policy(cfg, gym_['tok'].vocab_size)
+    logged = train.evaluate(model, gym_, cfg, 7)
+    report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=7, config=cfg), str(tmp_path), 7, 1)
+    ckpt = f'--ckpt={tmp_path / "ckpt_000007.pt"}'
+    for split, prefix in (('heldout', 'eval_'), ('val', 'eval_val_')):
+        greedy = sample.main([ckpt, '--eval', f'--split={split}', '--show=0'])
+        assert greedy['step'] == 7 and greedy['success_rate'] == logged[prefix + 'greedy_success']
+        sampled = sample.main([ckpt, '--eval', f'--split={split}', '--show=0', '--sampled', '--samples=3'])
+        shared = [k for k in sampled if prefix + k in logged]
+        assert {'tt', 'pt', 'reward_mean', 'success_rate', 'turn_format_ok'} <= set(shared), shared
+        assert {k: sampled[k] for k in shared} == {k: logged[prefix + k] for k in shared}
+    capsys.readouterr()
 
 
 def test_a_closed_pipe_ends_sample_quietly():
