@@ -368,7 +368,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         report.load_weights(model, state, cfg, path)
     policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
         f"untrained {cfg['model']} (--untrained{', the config of ' + os.path.join(cfg['out_dir'], report.CONFIG) if saved else ''})"
-    print(f'policy: {policy}')
+    print(f'policy: {policy}', flush=True)  # before a long evaluation, also in a pipe
     return cfg, gym_, model, policy, state['step'] if state is not None else 0
 
 
