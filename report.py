@@ -448,7 +448,8 @@ def print_setup(cfg, gym_, model, seconds, processes):
     writer and wandb run open, so that a missing package is said now, not after the warm start."""
     print(json.dumps(cfg))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out tasks "
+    val = f" / {len(gym_['val_tasks'])} validation" if gym_.get('val_tasks') else ''
+    print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out{val} tasks "
           f"({seconds:.0f}s); policy {cfg['model']}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
           + (f" ({trained:,} trained: LoRA rank {cfg['lora_rank']})" if cfg['lora_rank'] else '')
           + f"; {processes} process(es)")

@@ -10,17 +10,18 @@ curves as a PNG, and held-out evaluation (--eval) with the numbers train.py logs
     python sample.py --out_dir=out/tiny --eval                  # every held-out task, greedy
     python sample.py config/smollm2_hotpotqa.yaml --eval --eval_tasks=50 --untrained   # zero-shot
     python sample.py config/smollm2_memory.yaml --eval --scripted   # the warm start's scripted policy
-    python sample.py --out_dir=out/q --eval --sampled --samples=4 --json=eval.json
+    python sample.py --out_dir=out/q --eval --sampled --json=eval.json   # the run's eval_samples per task
     python sample.py --ckpt=out/q/ckpt_000000.pt --eval --split=val --json=step0.json   # one checkpoint
 
 Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --untrained --scripted
 --ckpt=FILE (this checkpoint, not out_dir's newest) --metrics_rollout=FILE --curves=FILE;
-with --eval: --sampled (sample at the config's temperature; default greedy),
---samples=1 (episodes per task), --batch=512 (episodes per rollout batch), --show=2 (episodes printed),
+with --eval: --sampled (eval_samples episodes per task at the config's temperature, as train.py;
+default greedy, one per task), --batch=512 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE (the numbers and each episode's outcome). A checkpoint's --eval samples from the generator
 train.py's evaluation used at its step, in train.py's batches: greedy prints the run's eval_greedy_success,
-and --sampled --samples=E (E = the run's eval_samples) its eval_success_rate and other eval_* numbers
-(eval_val_* with --split=val). Another --batch changes sampled numbers, and bf16 greedy ones a little.
+and --sampled its eval_success_rate and other eval_* numbers (eval_val_* with --split=val). Another
+--batch or --eval_samples changes sampled numbers, and bf16 greedy ones a little; a run on several
+processes (torchrun) evaluated each process's share of the tasks, so its sampled numbers differ.
 Every other argument (a YAML file, --key=value)
 is train.py's config, on top of the checkpoint's own config when out_dir holds one (eval_tasks = how
 many held-out tasks, 0 = all);
@@ -54,7 +55,7 @@ from rollout import EVAL_EPISODES_PER_BATCH, eval_generator, run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
 OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scripted=False, metrics_rollout='', curves='',
-               eval=False, sampled=False, samples=1, batch=EVAL_EPISODES_PER_BATCH, show=2, json='', ckpt='')
+               eval=False, sampled=False, batch=EVAL_EPISODES_PER_BATCH, show=2, json='', ckpt='')
 
 # -----------------------------------------------------------------------------
 # running episodes
@@ -265,13 +266,15 @@ def write_html(path, trajs, tok, advantages=None, title='nanoagent episodes'):
 def parse_args(argv, defaults=OPTIONS):
     """Split argv into this script's options (`defaults`: names and default values) and the rest
     (train.py's config arguments). Exits 2 with one line on a bad option."""
+    if any(a.partition('=')[0] == '--samples' for a in argv):  # sampled episodes per task are the config's, as in train.py
+        fail("--samples: --sampled rolls out the config's eval_samples episodes per task; set --eval_samples=N")
     opts, rest = parse_options(argv, defaults)
     for key in [a[2:].partition('=')[0] for a in rest if a.startswith('--')]:
         if key in TRAINING_KEYS:  # it would be ignored
             fail(f"--{key} is a training key (config.py); sample.py runs a saved policy and does not read it: drop it")
     if opts['split'] not in SPLITS:
         fail(f"--split must be {', '.join(SPLITS)}, got {opts['split']!r}")
-    for key in ('n', 'samples', 'batch'):
+    for key in ('n', 'batch'):
         if opts[key] < 1:
             fail(f"--{key} must be >= 1, got {opts[key]}")
     if opts['show'] < 0:
@@ -281,13 +284,15 @@ def parse_args(argv, defaults=OPTIONS):
     clash = [k for k in ('untrained', 'scripted', 'metrics_rollout', 'curves') if opts['ckpt'] and opts[k]]
     if clash:  # they run no checkpoint, so --ckpt would be ignored
         fail(f"--ckpt does nothing with --{clash[0]}: drop one of them")
+    if os.path.isdir(opts['ckpt']):
+        fail(f"--ckpt={opts['ckpt']} is a folder: --out_dir={opts['ckpt']} runs its newest checkpoint")
     if opts['ckpt'] and not os.path.isfile(opts['ckpt']):
         fail(f"--ckpt={opts['ckpt']}: no such file (a run's checkpoints are out_dir/ckpt_<step>.pt)")
     for key, others in (('metrics_rollout', ('eval', 'untrained', 'split', 'n', 'greedy', 'curves')), ('eval', ('curves', 'n', 'greedy'))):
         clash = [k for k in others if opts[key] and opts[k] != defaults[k]]  # they would be ignored
         if clash:
             fail(f"--{clash[0]} does nothing with --{key}: drop one of them")
-    eval_only = [k for k in ('sampled', 'samples', 'batch', 'show', 'json') if opts[k] != defaults[k]]
+    eval_only = [k for k in ('sampled', 'batch', 'show', 'json') if opts[k] != defaults[k]]
     if eval_only and not opts['eval']:  # they would be ignored
         fail(f"--{eval_only[0]} is an --eval flag; add --eval (--greedy is the episodes' own)")
     for key, ext in (('html', '.html'), ('curves', '.png'), ('json', '.json')):  # before any episode runs, not after
@@ -366,9 +371,13 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         fail(str(e))
     if state is not None:
         report.load_weights(model, state, cfg, path)
-    policy = f"{os.path.basename(path)} (step {state['step']})" if state is not None else \
+    policy = f"{path} (step {state['step']})" if state is not None else \
         f"untrained {cfg['model']} (--untrained{', the config of ' + os.path.join(cfg['out_dir'], report.CONFIG) if saved else ''})"
     print(f'policy: {policy}', flush=True)  # before a long evaluation, also in a pipe
+    processes = len(state.get('rng', {}).get('gen', ())) if state is not None else 1  # train.py saves every rank's sampler
+    if processes > 1:
+        print(f"note: {path} comes from a run on {processes} processes, whose evaluations gave each process a share "
+              "of the tasks and a random stream of its own: sampled numbers here differ from its log")
     return cfg, gym_, model, policy, state['step'] if state is not None else 0
 
 
@@ -392,7 +401,8 @@ def main_eval(opts, rest):
     """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
     cfg, gym_, model, policy, step = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
-    numbers, trajs = evaluate(model, gym_, cfg, opts['samples'], not opts['sampled'], opts['batch'], opts['split'], step)
+    samples = cfg['eval_samples'] if opts['sampled'] else 1  # greedy episodes of one task are all the same
+    numbers, trajs = evaluate(model, gym_, cfg, samples, not opts['sampled'], opts['batch'], opts['split'], step)
     for t in trajs[:opts['show']]:
         print_episode(t, gym_['tok'])
     settings = {k: cfg[k] for k in ('gym', 'model', 'data', 'prompt_style', 'keep_tool_results', 'max_turns',
@@ -400,11 +410,11 @@ def main_eval(opts, rest):
     decoding = 'scripted' if opts['scripted'] else 'sampled' if opts['sampled'] else 'greedy'
     result = dict(policy=policy, step=step, **settings, decoding=decoding,
                   temperature={'sampled': cfg['temperature'], 'greedy': 0.0}.get(decoding), split=opts['split'],
-                  tasks=numbers['episodes'] // opts['samples'],
-                  samples=opts['samples'], **numbers, wall_s=round(time.time() - t0, 1))
+                  tasks=numbers['episodes'] // samples,
+                  samples=samples, **numbers, wall_s=round(time.time() - t0, 1))
     keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']
     names = dict(tt='tokens processed per episode (tt)', pt='peak context (pt)')  # the JSON keeps the short keys
-    print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {opts['samples']}, {result['decoding']}, "
+    print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {samples}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "
           + ', '.join(f'{names.get(k, k)} {result[k]:.3f}' if isinstance(result[k], float) else f'{names.get(k, k)} {result[k]}'
                       for k in keys if k in result))

@@ -492,7 +492,7 @@ def test_train_tiny_qwen3_quixbugs_end_to_end_export_and_evaluate(tok, tmp_path,
     steps = [json.loads(line) for line in open(out / 'metrics.jsonl')][1:]
     assert all(m['logp_gap_max'] <= 1e-5 and m['ratio_dev_first_minibatch'] <= 1e-5 for m in steps)
     cfg, gym_, trained, policy, _ = sample.load_run([f'--out_dir={out}', '--threads=1'])
-    assert policy == 'ckpt_000002.pt (step 2)' and cfg['gym'] == 'quixbugs'
+    assert policy == os.path.join(str(out), 'ckpt_000002.pt') + ' (step 2)' and cfg['gym'] == 'quixbugs'
     check_export(out, trained, lambda msgs: hf.render_conversation(tok, msgs, gq.tool_schemas(),
                                                                      add_generation_prompt=True)[0])
     res = sample.main(['--eval', f'--out_dir={out}', '--threads=1', '--eval_tasks=1', '--show=1'])

@@ -205,9 +205,9 @@ def test_cli_checkpoint_and_rollout_dump(memory, tmp_path, capsys):
     assert 'ckpt_000007.pt (step 7)' in out and out.count('=== task') == 2 and html.exists()
     report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=9, config=cfg), str(tmp_path), 9, 2)
     sample.main([f'--out_dir={tmp_path}', '--n=1'])  # the newest, unless --ckpt names another
-    assert 'policy: ckpt_000009.pt (step 9)' in capsys.readouterr().out
+    assert f'policy: {tmp_path / "ckpt_000009.pt"} (step 9)' in capsys.readouterr().out  # the folder names the run
     sample.main([f'--ckpt={tmp_path / "ckpt_000007.pt"}', '--n=1'])  # its own config: no --out_dir needed
-    assert 'policy: ckpt_000007.pt (step 7)' in capsys.readouterr().out
+    assert f'policy: {tmp_path / "ckpt_000007.pt"} (step 7)' in capsys.readouterr().out
     batch = collate(sampled, g['fmt'].pad_id)
     dump = report.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
     sample.main([f'--metrics_rollout={dump}', f'--html={html}'])
@@ -289,7 +289,9 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
 @pytest.mark.parametrize('script, args, needle', [
     ('sample.py', ['--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
     ('sample.py', ['--eval', '--out_dir=/nonexistent/run'], 'no checkpoint in /nonexistent/run (add --untrained'),
-    ('sample.py', ['--eval', '--samples=0', '--untrained'], '--samples must be >= 1, got 0'),
+    ('sample.py', ['--eval', '--sampled', '--eval_samples=0', '--untrained'], "config key 'eval_samples' must be >= 1, got 0"),
+    ('sample.py', ['--eval', '--sampled', '--samples=4', '--untrained'], "--samples: --sampled rolls out the config's eval_samples"),
+    ('sample.py', ['--eval', '--ckpt=tests'], '--ckpt=tests is a folder: --out_dir=tests runs its newest checkpoint'),
     ('sample.py', ['--metrics_rollout=/nonexistent/r.pt'], 'no rollout dump /nonexistent/r.pt'),
     ('sample.py', ['--metrics_rollout=README.md'], '--metrics_rollout=README.md is not a rollout dump'),
     ('sample.py', ['--curves=c.png', '--out_dir=/nonexistent/run', '--untrained'], '--curves: no metrics.jsonl'),
@@ -465,12 +467,25 @@ def test_eval_of_a_checkpoint_prints_the_numbers_its_run_logged(tmp_path, capsys
     ckpt = f'--ckpt={tmp_path / "ckpt_000007.pt"}'
     for split, prefix in (('heldout', 'eval_'), ('val', 'eval_val_')):
         greedy = sample.main([ckpt, '--eval', f'--split={split}', '--show=0'])
-        assert greedy['step'] == 7 and greedy['success_rate'] == logged[prefix + 'greedy_success']
-        sampled = sample.main([ckpt, '--eval', f'--split={split}', '--show=0', '--sampled', '--samples=3'])
+        assert greedy['step'] == 7 and greedy['success_rate'] == logged[prefix + 'greedy_success'] and greedy['samples'] == 1
+        sampled = sample.main([ckpt, '--eval', f'--split={split}', '--show=0', '--sampled'])  # the run's eval_samples
         shared = [k for k in sampled if prefix + k in logged]
-        assert {'tt', 'pt', 'reward_mean', 'success_rate', 'turn_format_ok'} <= set(shared), shared
+        assert sampled['samples'] == 3 and {'tt', 'pt', 'reward_mean', 'success_rate', 'turn_format_ok'} <= set(shared), shared
         assert {k: sampled[k] for k in shared} == {k: logged[prefix + k] for k in shared}
     capsys.readouterr()
+
+
+@pytest.mark.parametrize('processes', [1, 2])
+def test_a_checkpoint_of_a_run_on_several_processes_says_its_sampled_numbers_differ(memory, tmp_path, capsys, processes):
+    """train.py saves every rank's sampler; a run on several processes evaluated a share of the tasks on
+    each, which sample.py (one process) cannot repeat: it says so, and only then."""
+    cfg, _, model, _, _ = memory
+    cfg = dict(cfg, out_dir=str(tmp_path), n_layer=1, n_head=2, n_embd=32)
+    gens = [torch.Generator().get_state()] * processes
+    report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=3, config=cfg, rng=dict(gen=gens)),
+                           str(tmp_path), 3, 1)
+    sample.main([f'--out_dir={tmp_path}', '--n=1'])
+    assert ('comes from a run on 2 processes' in capsys.readouterr().out) == (processes == 2)
 
 
 def test_a_closed_pipe_ends_sample_quietly():

@@ -282,6 +282,7 @@ def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
     last = rows[-1]
     assert [r['step'] for r in rows] == [0, 1, 2]
     assert p.stdout.count(', EM k=') == 2  # the evaluation lines of step 0 and step 2
+    assert 'gym memory: 20 train / 10 held-out / 3 validation tasks' in p.stdout  # the setup line counts each split
     assert all(0 <= r['eval_val_success'] <= 1 and 'eval_val_greedy_success' in r for r in (rows[0], last))  # --val_tasks
     assert all(r['eval_val_success_rate'] == r['eval_val_success'] and 'eval_val_em_k1' in r for r in (rows[0], last))
     assert f"best eval_val_success     {max(r['eval_val_success'] for r in (rows[0], last)):.3f}" in p.stdout
