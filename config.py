@@ -64,7 +64,7 @@ config = dict(
     show_budget=False,           # gym memory: each observation ends with 'turns left N' (under folding the policy
                                  # cannot count its turns otherwise)
     val_tasks=0,                 # gym memory, bugfix: validation tasks (their own worlds / functions), evaluated after
-                                 # held-out (eval_val_*); 0 = none
+                                 # held-out (eval_val_*); 0 = none; bugfix: at most eval_tasks of them
     train_variants=24,           # gym bugfix: variants per training function (names, constants, which op broke it)
     train_generated=0,           # gym bugfix: random training functions from a grammar, added to the 22 templates
     eval_tasks=0,                # 0 = all of the gym's held-out tasks (memory: 96)
