@@ -454,7 +454,7 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
 
 def test_eval_of_a_checkpoint_prints_the_numbers_its_run_logged(tmp_path, capsys):
     """sample.py --eval on step 7's checkpoint gives what train.evaluate logged at step 7: greedy and
-    sampled (--samples = eval_samples), held-out and validation. The same generator (rollout.eval_generator)
+    sampled (the run's eval_samples), held-out and validation. The same generator (rollout.eval_generator)
     and the same batches; sampled token counts differ under any other seeding."""
     cfg = train.load_config(['config/tiny_mem.yaml', '--train_tasks=16', '--eval_tasks=6', '--val_tasks=5',
                              '--eval_samples=3', '--n_layer=1', '--n_head=2', '--n_embd=32', '--dtype=float32',
