@@ -19,7 +19,8 @@ with --eval: --sampled (eval_samples episodes per task at the config's temperatu
 default greedy, one per task), --batch=512 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE (the numbers and each episode's outcome). A checkpoint's --eval samples from the generator
 train.py's evaluation used at its step, in train.py's batches: greedy prints the run's eval_greedy_success,
-and --sampled its eval_success_rate and other eval_* numbers (eval_val_* with --split=val). Another
+and --sampled its eval_success_rate and other eval_* numbers (eval_val_* with --split=val); a line
+after them gives the numbers the run logged (its metrics.jsonl) and, where they differ, why. Another
 --batch or --eval_samples changes sampled numbers, and bf16 greedy ones a little; a run on several
 processes (torchrun) evaluated each process's share of the tasks, so its sampled numbers differ.
 Every other argument (a YAML file, --key=value)
@@ -286,6 +287,8 @@ def parse_args(argv, defaults=OPTIONS):
         fail(f"--ckpt does nothing with --{clash[0]}: drop one of them")
     if os.path.isdir(opts['ckpt']):
         fail(f"--ckpt={opts['ckpt']} is a folder: --out_dir={opts['ckpt']} runs its newest checkpoint")
+    if opts['ckpt'] and any(a.partition('=')[0] == '--out_dir' for a in rest):  # the file names its run
+        fail(f"--out_dir does nothing with --ckpt={opts['ckpt']}: drop one of them")
     if opts['ckpt'] and not os.path.isfile(opts['ckpt']):
         fail(f"--ckpt={opts['ckpt']}: no such file (a run's checkpoints are out_dir/ckpt_<step>.pt)")
     for key, others in (('metrics_rollout', ('eval', 'untrained', 'split', 'n', 'greedy', 'curves')), ('eval', ('curves', 'n', 'greedy'))):
@@ -325,8 +328,8 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     (the config as untrained reads it), rendered in cfg['model']'s tokens. Exits 2 when there is no
     checkpoint that loads and neither is set, when `ckpt` is not a checkpoint, when the gym has no
     scripted policy or no tasks of split (before the model loads). A CUDA config falls back to the
-    CPU without a GPU. Returns (cfg, gym_, model, description, step): the checkpoint's training step, 0
-    without one."""
+    CPU without a GPU. Returns (cfg, gym_, model, description, ckpt): ckpt = dict(path, step, config) of
+    the checkpoint, None without one."""
     untrained = untrained or scripted
     cfg = load_config(rest)
     try:
@@ -364,7 +367,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         if gym_['warm_policy'] is None:
             fail(f"--scripted: gym {cfg['gym']!r} has no scripted policy")
         print(f"policy: the {cfg['gym']} gym's scripted policy (--scripted)")
-        return cfg, gym_, gym_['warm_policy'], 'scripted policy (--scripted)', 0
+        return cfg, gym_, gym_['warm_policy'], 'scripted policy (--scripted)', None
     try:
         model = load_policy(cfg, gym_['tok'].vocab_size)
     except OSError as e:
@@ -378,7 +381,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     if processes > 1:
         print(f"note: {path} comes from a run on {processes} processes, whose evaluations gave each process a share "
               "of the tasks and a random stream of its own: sampled numbers here differ from its log")
-    return cfg, gym_, model, policy, state['step'] if state is not None else 0
+    return cfg, gym_, model, policy, None if state is None else dict(path=path, step=state['step'], config=state['config'])
 
 
 def load_dump(path, rest):
@@ -397,10 +400,49 @@ def load_dump(path, rest):
     return cfg, load_gym(cfg, None, config), dump['trajs'], dump['advantages'], title
 
 
+def logged_numbers(ckpt, split, sampled):
+    """What the run of checkpoint ckpt (load_run's dict) logged for this evaluation at the checkpoint's
+    step, from the metrics.jsonl beside it, in evaluate()'s names: greedy {'success_rate': eval_greedy_success},
+    sampled every eval_* metric (eval_val_* for split 'val'). None when that step was not evaluated (or
+    no metrics.jsonl is there, or split is 'train', which train.py never evaluates)."""
+    metrics = os.path.join(os.path.dirname(ckpt['path']), 'metrics.jsonl')
+    prefix = {'heldout': 'eval_', 'val': 'eval_val_'}.get(split)
+    rows = [r for r in report.read_metrics(metrics) if r.get('step') == ckpt['step']] if os.path.isfile(metrics) else []
+    row = next((r for r in reversed(rows) if prefix and prefix + 'greedy_success' in r), None)
+    if row is None:
+        return None
+    if not sampled:
+        return dict(success_rate=row[prefix + 'greedy_success'])
+    return {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+
+
+def compare_with_log(numbers, logged, cfg, ckpt, batch):
+    """One line: the numbers this evaluation shares with the run's log, and whether they are the same;
+    when not, the settings that differ from the run's evaluation (the config on top of the checkpoint's,
+    --batch). Returns the logged numbers compared ({} when none)."""
+    shared = {k: v for k, v in (logged or {}).items() if k in numbers and isinstance(v, (int, float))}
+    if not shared:
+        print(f"note: the run did not evaluate step {ckpt['step']} on this split (eval_every), so no logged "
+              "number to compare")
+        return {}
+    differ = [k for k, v in shared.items() if numbers[k] != v]
+    diff = [f'{k} {ckpt["config"].get(k)!r} -> {v!r}' for k, v in cfg.items()
+            if k not in ('out_dir', 'device') and k in ckpt['config'] and ckpt['config'][k] != v]
+    if batch != EVAL_EPISODES_PER_BATCH:
+        diff.append(f'--batch={batch} (train.py: {EVAL_EPISODES_PER_BATCH})')
+    keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]
+    shown = ', '.join(f'{k} {shared[k]:.3f}' + (f' (here {numbers[k]:.3f})' if k in differ else '') for k in keys)
+    print(f"the run logged at step {ckpt['step']}: {shown}: "
+          + ('the same' if not differ else 'not the same, as this evaluation differs in: ' + '; '.join(diff) if diff else
+             'not the same, with the same settings (another machine or torch rounds differently)'))
+    return shared
+
+
 def main_eval(opts, rest):
     """--eval: every task of --split (held-out by default); prints one line of numbers and their JSON, returns the dict."""
     t0 = time.time()
-    cfg, gym_, model, policy, step = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
+    cfg, gym_, model, policy, ckpt = load_run(rest, opts['untrained'], opts['scripted'], opts['split'], opts['ckpt'])
+    step = ckpt['step'] if ckpt else 0
     samples = cfg['eval_samples'] if opts['sampled'] else 1  # greedy episodes of one task are all the same
     numbers, trajs = evaluate(model, gym_, cfg, samples, not opts['sampled'], opts['batch'], opts['split'], step)
     for t in trajs[:opts['show']]:
@@ -418,6 +460,9 @@ def main_eval(opts, rest):
           f"keep_tool_results={cfg['keep_tool_results']}: "
           + ', '.join(f'{names.get(k, k)} {result[k]:.3f}' if isinstance(result[k], float) else f'{names.get(k, k)} {result[k]}'
                       for k in keys if k in result))
+    if ckpt:  # beside the run's own log, so a user sees whether it repeats
+        result['logged'] = compare_with_log(numbers, logged_numbers(ckpt, opts['split'], opts['sampled']), cfg, ckpt,
+                                            opts['batch'])
     print(json.dumps(result))
     if opts['json']:  # the file adds each episode's outcome, in task order, to compare two policies task by task
         episodes = [dict(task=_task_id(t.task), **{k: v for k, v in report.summarise(t).items() if k != 'mem_pairs'})

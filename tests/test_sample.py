@@ -475,6 +475,42 @@ def test_eval_of_a_checkpoint_prints_the_numbers_its_run_logged(tmp_path, capsys
     capsys.readouterr()
 
 
+def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_path, capsys):
+    """Beside its own numbers, sample.py --eval of a checkpoint prints the ones its run logged at that
+    step (metrics.jsonl): 'the same' when they are; else the settings that differ from the run's
+    evaluation; and a note when the run did not evaluate that step."""
+    cfg = train.load_config(['config/tiny_mem.yaml', '--train_tasks=16', '--eval_tasks=6', '--eval_samples=3',
+                             '--n_layer=1', '--n_head=2', '--n_embd=32', '--dtype=float32', '--device=cpu',
+                             f'--out_dir={tmp_path}'])
+    gym_ = load_gym(cfg, None, train.config)
+    torch.manual_seed(0)
+    model = train.load_policy(cfg, gym_['tok'].vocab_size)
+    logged = train.evaluate(model, gym_, cfg, 7)
+    (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **logged)) + '\n')
+    for step in (5, 7):
+        report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=step, config=cfg), str(tmp_path), step, 5)
+    ckpt = f'--ckpt={tmp_path / "ckpt_000007.pt"}'
+    capsys.readouterr()
+    same = sample.main([ckpt, '--eval', '--show=0', '--sampled'])
+    assert same['logged']['tt'] == logged['eval_tt'] and 'the run logged at step 7: ' in capsys.readouterr().out
+    assert sample.main([ckpt, '--eval', '--show=0'])['logged'] == dict(success_rate=logged['eval_greedy_success'])
+    assert capsys.readouterr().out.rstrip().splitlines()[-2].endswith(': the same')
+    other = sample.main([ckpt, '--eval', '--show=0', '--sampled', '--batch=2', '--temperature=0.7'])
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert other['tt'] != logged['eval_tt'] and 'not the same' in line, line
+    assert 'temperature 1.0 -> 0.7' in line and '--batch=2' in line, line
+    sample.main([f'--ckpt={tmp_path / "ckpt_000005.pt"}', '--eval', '--show=0'])
+    assert 'the run did not evaluate step 5' in capsys.readouterr().out
+
+
+def test_out_dir_beside_a_checkpoint_file_is_refused(tmp_path, capsys):
+    """--ckpt names the checkpoint and so its run: an --out_dir beside it would be ignored."""
+    (tmp_path / 'ckpt_000001.pt').write_bytes(b'x')
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--ckpt={tmp_path / "ckpt_000001.pt"}', '--out_dir=out/elsewhere', '--eval'])
+    assert e.value.code == 2 and '--out_dir does nothing with --ckpt' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('processes', [1, 2])
 def test_a_checkpoint_of_a_run_on_several_processes_says_its_sampled_numbers_differ(memory, tmp_path, capsys, processes):
     """train.py saves every rank's sampler; a run on several processes evaluated a share of the tasks on
