@@ -20,7 +20,8 @@ default greedy, one per task), --batch=512 (episodes per rollout batch), --show=
 --json=FILE (the numbers and each episode's outcome). A checkpoint's --eval samples from the generator
 train.py's evaluation used at its step, in train.py's batches: greedy prints the run's eval_greedy_success,
 and --sampled its eval_success_rate and other eval_* numbers (eval_val_* with --split=val); a line
-after them gives the numbers the run logged (its metrics.jsonl) and, where they differ, why. Another
+after them gives the numbers the run logged (its metrics.jsonl), whether they are the same, and the
+settings that differ from the run's evaluation (JSON: `logged`). Another
 --batch or --eval_samples changes sampled numbers, and bf16 greedy ones a little; a run on several
 processes (torchrun) evaluated each process's share of the tasks, so its sampled numbers differ.
 Every other argument (a YAML file, --key=value)
@@ -403,39 +404,45 @@ def load_dump(path, rest):
 def logged_numbers(ckpt, split, sampled):
     """What the run of checkpoint ckpt (load_run's dict) logged for this evaluation at the checkpoint's
     step, from the metrics.jsonl beside it, in evaluate()'s names: greedy {'success_rate': eval_greedy_success},
-    sampled every eval_* metric (eval_val_* for split 'val'). None when that step was not evaluated (or
-    no metrics.jsonl is there, or split is 'train', which train.py never evaluates)."""
+    sampled every eval_* metric (eval_val_* for split 'val'). Returns (numbers, None), or (None, why not)."""
     metrics = os.path.join(os.path.dirname(ckpt['path']), 'metrics.jsonl')
     prefix = {'heldout': 'eval_', 'val': 'eval_val_'}.get(split)
-    rows = [r for r in report.read_metrics(metrics) if r.get('step') == ckpt['step']] if os.path.isfile(metrics) else []
-    row = next((r for r in reversed(rows) if prefix and prefix + 'greedy_success' in r), None)
-    if row is None:
-        return None
+    if prefix is None:
+        return None, 'train.py does not evaluate the training split'
+    if not os.path.isfile(metrics):
+        return None, f'no metrics.jsonl beside {ckpt["path"]}'
+    rows = [r for r in report.read_metrics(metrics) if r.get('step') == ckpt['step'] and prefix + 'greedy_success' in r]
+    if not rows:
+        return None, (f"{metrics} has no evaluation of this split at step {ckpt['step']} (not evaluated: eval_every; "
+                      "or its line is unreadable)")
     if not sampled:
-        return dict(success_rate=row[prefix + 'greedy_success'])
-    return {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+        return dict(success_rate=rows[-1][prefix + 'greedy_success']), None
+    return {k[len(prefix):]: v for k, v in rows[-1].items() if k.startswith(prefix)}, None
 
 
-def compare_with_log(numbers, logged, cfg, ckpt, batch):
-    """One line: the numbers this evaluation shares with the run's log, and whether they are the same;
-    when not, the settings that differ from the run's evaluation (the config on top of the checkpoint's,
-    --batch). Returns the logged numbers compared ({} when none)."""
+def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
+    """Print one line: the numbers this evaluation shares with the run's log at the checkpoint's step,
+    whether they are the same, and the settings that differ from the run's evaluation (the config on top
+    of the checkpoint's, --batch); or why there is nothing to compare. Returns what the JSON keeps:
+    dict(numbers, same, differs_in), or dict(missing=why)."""
+    logged, why = logged_numbers(ckpt, split, sampled)
     shared = {k: v for k, v in (logged or {}).items() if k in numbers and isinstance(v, (int, float))}
     if not shared:
-        print(f"note: the run did not evaluate step {ckpt['step']} on this split (eval_every), so no logged "
-              "number to compare")
-        return {}
+        why = why or 'no number in common with the log'
+        print(f"note: nothing logged to compare with: {why}")
+        return dict(missing=why)
     differ = [k for k, v in shared.items() if numbers[k] != v]
-    diff = [f'{k} {ckpt["config"].get(k)!r} -> {v!r}' for k, v in cfg.items()
-            if k not in ('out_dir', 'device') and k in ckpt['config'] and ckpt['config'][k] != v]
+    settings = [f'{k} {ckpt["config"].get(k)!r} -> {v!r}' for k, v in cfg.items()
+                if k not in ('out_dir', 'device') and k in ckpt['config'] and ckpt['config'][k] != v]
     if batch != EVAL_EPISODES_PER_BATCH:
-        diff.append(f'--batch={batch} (train.py: {EVAL_EPISODES_PER_BATCH})')
+        settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')
     keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]
     shown = ', '.join(f'{k} {shared[k]:.3f}' + (f' (here {numbers[k]:.3f})' if k in differ else '') for k in keys)
-    print(f"the run logged at step {ckpt['step']}: {shown}: "
-          + ('the same' if not differ else 'not the same, as this evaluation differs in: ' + '; '.join(diff) if diff else
-             'not the same, with the same settings (another machine or torch rounds differently)'))
-    return shared
+    verdict = 'the same' if not differ else 'not the same'
+    reason = ('; this evaluation differs in: ' + '; '.join(settings) if settings else
+              '' if not differ else ', with the same settings (rounding on another machine or torch build, or an edited log)')
+    print(f"the run logged at step {ckpt['step']}: {shown}: {verdict}{reason}")
+    return dict(numbers=shared, same=not differ, differs_in=settings)
 
 
 def main_eval(opts, rest):
@@ -461,8 +468,7 @@ def main_eval(opts, rest):
           + ', '.join(f'{names.get(k, k)} {result[k]:.3f}' if isinstance(result[k], float) else f'{names.get(k, k)} {result[k]}'
                       for k in keys if k in result))
     if ckpt:  # beside the run's own log, so a user sees whether it repeats
-        result['logged'] = compare_with_log(numbers, logged_numbers(ckpt, opts['split'], opts['sampled']), cfg, ckpt,
-                                            opts['batch'])
+        result['logged'] = compare_with_log(numbers, ckpt, opts['split'], opts['sampled'], cfg, opts['batch'])
     print(json.dumps(result))
     if opts['json']:  # the file adds each episode's outcome, in task order, to compare two policies task by task
         episodes = [dict(task=_task_id(t.task), **{k: v for k, v in report.summarise(t).items() if k != 'mem_pairs'})

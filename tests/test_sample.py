@@ -491,16 +491,24 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
         report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=step, config=cfg), str(tmp_path), step, 5)
     ckpt = f'--ckpt={tmp_path / "ckpt_000007.pt"}'
     capsys.readouterr()
-    same = sample.main([ckpt, '--eval', '--show=0', '--sampled'])
-    assert same['logged']['tt'] == logged['eval_tt'] and 'the run logged at step 7: ' in capsys.readouterr().out
-    assert sample.main([ckpt, '--eval', '--show=0'])['logged'] == dict(success_rate=logged['eval_greedy_success'])
+    same = sample.main([ckpt, '--eval', '--show=0', '--sampled'])['logged']
+    assert same['numbers']['tt'] == logged['eval_tt'] and same['same'] and same['differs_in'] == []
+    assert 'the run logged at step 7: ' in capsys.readouterr().out
+    greedy = sample.main([ckpt, '--eval', '--show=0'])['logged']
+    assert greedy['numbers'] == dict(success_rate=logged['eval_greedy_success']) and greedy['same']
     assert capsys.readouterr().out.rstrip().splitlines()[-2].endswith(': the same')
     other = sample.main([ckpt, '--eval', '--show=0', '--sampled', '--batch=2', '--temperature=0.7'])
     line = capsys.readouterr().out.splitlines()[-2]
-    assert other['tt'] != logged['eval_tt'] and 'not the same' in line, line
-    assert 'temperature 1.0 -> 0.7' in line and '--batch=2' in line, line
-    sample.main([f'--ckpt={tmp_path / "ckpt_000005.pt"}', '--eval', '--show=0'])
-    assert 'the run did not evaluate step 5' in capsys.readouterr().out
+    assert other['tt'] != logged['eval_tt'] and not other['logged']['same'] and 'not the same' in line, line
+    assert 'temperature 1.0 -> 0.7' in line and 'batch 512 -> 2' in line, line
+    fewer = sample.main([ckpt, '--eval', '--show=0', '--max_turns=4'])  # equal success, other settings: both said
+    assert 'max_turns 17 -> 4' in capsys.readouterr().out.splitlines()[-2] and fewer['logged']['differs_in']
+    for args, why in (([f'--ckpt={tmp_path / "ckpt_000005.pt"}'], 'no evaluation of this split at step 5'),
+                      ([ckpt, '--split=train'], 'train.py does not evaluate the training split')):
+        assert why in sample.main(args + ['--eval', '--show=0'])['logged']['missing']
+        assert 'note: nothing logged to compare with: ' in capsys.readouterr().out
+    (tmp_path / 'metrics.jsonl').unlink()
+    assert 'no metrics.jsonl beside' in sample.main([ckpt, '--eval', '--show=0'])['logged']['missing']
 
 
 def test_out_dir_beside_a_checkpoint_file_is_refused(tmp_path, capsys):
