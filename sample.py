@@ -53,7 +53,7 @@ import report
 from config import TRAINING_KEYS, config, fail, load_config, parse_options, resolve_dtype
 from gym import OWNER, load_gym
 from model import load_policy
-from rollout import EVAL_EPISODES_PER_BATCH, eval_generator, run_tasks
+from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
 OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scripted=False, metrics_rollout='', curves='',
@@ -406,7 +406,7 @@ def logged_numbers(ckpt, split, sampled):
     step, from the metrics.jsonl beside it, in evaluate()'s names: greedy {'success_rate': eval_greedy_success},
     sampled every eval_* metric (eval_val_* for split 'val'). Returns (numbers, None), or (None, why not)."""
     metrics = os.path.join(os.path.dirname(ckpt['path']), 'metrics.jsonl')
-    prefix = {'heldout': 'eval_', 'val': 'eval_val_'}.get(split)
+    prefix = EVAL_PREFIX.get(SPLITS[split])
     if prefix is None:
         return None, 'train.py does not evaluate the training split'
     if not os.path.isfile(metrics):
@@ -432,7 +432,7 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
         print(f"note: nothing logged to compare with: {why}")
         return dict(missing=why)
     differ = [k for k, v in shared.items() if numbers[k] != v]
-    settings = [f'{k} {ckpt["config"].get(k)!r} -> {v!r}' for k, v in cfg.items()
+    settings = [f'{k} {ckpt["config"][k]!r} -> {v!r}' for k, v in cfg.items()
                 if k not in ('out_dir', 'device') and k in ckpt['config'] and ckpt['config'][k] != v]
     if batch != EVAL_EPISODES_PER_BATCH:
         settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')

@@ -31,7 +31,7 @@ from config import all_reduce, check_run, config, fail, gather, init_distributed
 from gym import GymContractError, OutOfVocabulary, load_gym
 from model import (autocast, batch_log_probs, batch_rows, fold_lora, is_reference, load_policy, merged, micro_batches,
                    peak_memory_gb, reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
-from rollout import EVAL_EPISODES_PER_BATCH, collate, episode_rows, eval_generator, full_history_row, run_tasks
+from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, collate, episode_rows, eval_generator, full_history_row, run_tasks
 
 # -----------------------------------------------------------------------------
 # the loss: one short function a forker replaces (README, "Swap the loss")
@@ -245,11 +245,11 @@ def evaluate(model, gym_, cfg, step):
     the step: evaluating never shifts training's random streams, and sample.py --eval of the step's
     checkpoint prints the same numbers. A validation split (gym_['val_tasks']) gets the same as
     eval_val_*. Recipes are chosen on validation, never on held-out."""
-    splits = [('eval_tasks', 'eval_greedy_success', 'eval_sampled_success', 'eval_')]
-    if gym_.get('val_tasks'):
-        splits.append(('val_tasks', 'eval_val_greedy_success', 'eval_val_success', 'eval_val_'))
+    splits = [('eval_tasks', 'eval_sampled_success')] + ([('val_tasks', 'eval_val_success')] if gym_.get('val_tasks') else [])
     out = {}
-    for split, greedy_key, sampled_key, prefix in splits:
+    for split, sampled_key in splits:
+        prefix = EVAL_PREFIX[split]
+        greedy_key = prefix + 'greedy_success'
         tasks, gen = gym_[split][rank()::world_size()], eval_generator(cfg, split, step, rank())
         for key, temp, reps in [(greedy_key, 0.0, 1), (sampled_key, cfg['temperature'], cfg['eval_samples'])]:
             per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
