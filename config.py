@@ -59,6 +59,8 @@ config = dict(
     complete_bonus=0.0,          # gym memory: points added to a well-formed answer when every part of it is right
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
+    rl_min_objectives=1,         # gym memory: RL draws only training questions with at least this many parts (the
+                                 # warm start imitates them all)
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
     oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
     show_budget=False,           # gym memory: each observation ends with 'turns left N' (under folding the policy

@@ -13,7 +13,8 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
         tok           a WordTokenizer (MODEL 'tiny') or a Hugging Face tokenizer
         fmt           a Format: word_format(tok, ...) or hf.chat_format(tok, ...)
         train_tasks   non-empty lists of tasks (any objects the env's reset takes); eval_tasks are
-        eval_tasks    the held-out ones (an optional val_tasks: a validation split)
+        eval_tasks    the held-out ones (an optional val_tasks: a validation split; an optional rl_tasks:
+                      the training tasks RL draws from, default train_tasks, which the warm start imitates)
         make_env      () -> a fresh env
         warm_policy   rng -> a scripted policy (episode -> action text) to warm-start from, or None;
                       a turn it returns as (text, False) is played but not trained on (a mistake)
@@ -227,7 +228,8 @@ def load_gym(cfg, vocab=None, defaults=None):
     for key in SETUP_KEYS:
         if key not in gym_:
             fail(f"gym {name!r}: setup returned no {key!r} (gym.py lists what setup returns)")
-    for key, split in (('train_tasks', 'train'), ('eval_tasks', 'held-out')):
+    gym_.setdefault('rl_tasks', gym_['train_tasks'])
+    for key, split in (('train_tasks', 'train'), ('rl_tasks', 'RL'), ('eval_tasks', 'held-out')):
         if not gym_[key]:
             fail(f"gym {name!r} has an empty {split} split")
     if cfg.get('eval_tasks', 0) > len(gym_['eval_tasks']):  # a silent cap would report fewer tasks than asked

@@ -449,7 +449,8 @@ def print_setup(cfg, gym_, model, seconds, processes):
     print(json.dumps(cfg))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     val = f" / {len(gym_['val_tasks'])} validation" if gym_.get('val_tasks') else ''
-    print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train / {len(gym_['eval_tasks'])} held-out{val} tasks "
+    rl = f" ({len(gym_['rl_tasks'])} for RL)" if len(gym_['rl_tasks']) != len(gym_['train_tasks']) else ''
+    print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train{rl} / {len(gym_['eval_tasks'])} held-out{val} tasks "
           f"({seconds:.0f}s); policy {cfg['model']}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
           + (f" ({trained:,} trained: LoRA rank {cfg['lora_rank']})" if cfg['lora_rank'] else '')
           + f"; {processes} process(es)")

@@ -433,7 +433,7 @@ def main(argv):
             g['lr'] = lr
         # draw tasks, the same on every rank; each rank rolls out whole groups of its own
         n_groups = math.ceil(cfg['batch_size'] * cfg['oversample'])
-        tasks = [rng.choice(gym_['train_tasks']) for _ in range(n_groups)]
+        tasks = [rng.choice(gym_['rl_tasks']) for _ in range(n_groups)]
         mine = list(range(rank(), n_groups, world_size()))
         # roll out: token-in/token-out episodes, sampled log-probs kept (rollout.py)
         trajs = run_tasks(model, gym_, cfg, [tasks[g] for g in mine], cfg['group_size'], mine, gen)

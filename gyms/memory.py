@@ -32,7 +32,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
                           score_episode, strip_end_marker)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target',
+KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target',
         'show_budget', 'complete_bonus')
 
 # -----------------------------------------------------------------------------
@@ -442,14 +442,18 @@ def setup(cfg, vocab=None):
     """train_tasks (0: 2000) and eval_tasks (0: 96) tasks drawn with cfg's seed, training questions
     with 1..max_objectives parts and held-out ones with up to one more, and val_tasks validation tasks
     like the held-out ones (0: none; train.py evaluates them after held-out); the warm start imitates the
-    oracle through the folded context. model tiny: a word vocabulary built from the gym's texts (or
+    oracle through the folded context on every training task, while RL draws only those with at least
+    rl_min_objectives parts (rl_tasks). model tiny: a word vocabulary built from the gym's texts (or
     the checkpoint's `vocab`); any other model: its tokenizer and chat template (hf.chat_format, which
     raises ValueError naming what the model lacks)."""
     check_answer_reward(cfg["answer_reward"])
     k = cfg["max_objectives"]
     if k < 1:
         raise ValueError(f"config key 'max_objectives' must be >= 1, got {k}")
+    if not 1 <= cfg["rl_min_objectives"] <= k:
+        raise ValueError(f"config key 'rl_min_objectives' must be 1..max_objectives ({k}), got {cfg['rl_min_objectives']}")
     train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"], n_objectives=(1, k))
+    rl_tasks = [t for t in train_tasks if len(t.golds) >= cfg["rl_min_objectives"]]
     eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"], n_objectives=(1, k + 1))
     val_tasks = make_tasks("val", cfg["val_tasks"], seed=cfg["seed"], n_objectives=(1, k + 1))
     if cfg["model"] == "tiny":
@@ -464,7 +468,7 @@ def setup(cfg, vocab=None):
     def warm(rng):
         policy = make_lossy_oracle(rng, p) if p else oracle_policy
         return folded_policy(with_detour(rng, detour, policy) if detour else policy)
-    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
+    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, rl_tasks=rl_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
                 make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"], show_budget=cfg["show_budget"],
                                            turn_limit=cfg["max_turns"], complete_bonus=cfg["complete_bonus"]),
                 warm_policy=warm, baselines={}, answer_text=answer_text)

@@ -186,6 +186,21 @@ def test_objective_counts_and_hops():
     assert all(len(t.question.split(" ; ")) == len(t.golds) == len(t.hops) for t in tr + he)
 
 
+def test_rl_tasks_are_the_training_tasks_with_enough_parts():
+    """rl_min_objectives filters what RL draws; the training split (the warm start's) and the held-out
+    split do not move; a value outside 1..max_objectives is refused in one line."""
+    from config import config
+    cfg = dict(config, gym='memory', model='tiny', max_objectives=2, train_tasks=60, eval_tasks=10, rl_min_objectives=1)
+    every = g.setup(cfg)
+    assert every['rl_tasks'] == every['train_tasks'] and {len(t.golds) for t in every['train_tasks']} == {1, 2}
+    two = g.setup(dict(cfg, rl_min_objectives=2))
+    assert two['train_tasks'] == every['train_tasks'] and two['eval_tasks'] == every['eval_tasks']
+    assert two['rl_tasks'] == [t for t in every['train_tasks'] if len(t.golds) == 2] and two['rl_tasks']
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"'rl_min_objectives' must be 1..max_objectives \\(2\\), got {bad}"):
+            g.setup(dict(cfg, rl_min_objectives=bad))
+
+
 def test_held_out_vocabulary_covered_by_training():
     words = lambda ts: {w for t in ts for w in (t.question + " " + " ".join(f"{k} {v}" for k, v in t.facts.items())).split()}
     assert words(g.make_tasks("heldout", 300)) <= words(g.make_tasks("train", 300))

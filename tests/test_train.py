@@ -598,3 +598,25 @@ def test_same_numbers_skips_the_machines_keys_and_names_any_other_difference(tmp
     bad = subprocess.run(same + [str(tmp_path / 'c.jsonl')], cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith('same numbers')
     assert bad.returncode == 1 and bad.stdout.strip() == 'step 1: reward_mean 0.25 against 0.25000001'
+
+
+def test_rl_draws_only_the_questions_with_enough_parts_while_the_warm_start_imitates_all(monkeypatch, tmp_path, capsys):
+    """--rl_min_objectives=2: every task handed to an RL rollout (group_size copies) has 2+ parts, the
+    warm start's tasks still include single-part ones, and the setup line says how many RL draws from."""
+    import train
+    seen = {'warm': set(), 'rl': set()}
+    run_tasks = train.run_tasks
+
+    def spy(policy, gym_, cfg, tasks, group_size=1, *a, **kw):
+        if isinstance(policy, list):  # scripted policies: the warm start
+            seen['warm'] |= {len(t.golds) for t in tasks}
+        elif group_size == cfg['group_size'] and a:  # RL: group ids passed
+            seen['rl'] |= {len(t.golds) for t in tasks}
+        return run_tasks(policy, gym_, cfg, tasks, group_size, *a, **kw)
+    monkeypatch.setattr(train, 'run_tasks', spy)
+    train.main(['config/tiny_mem.yaml', '--max_objectives=2', '--rl_min_objectives=2', '--train_tasks=40', '--eval_tasks=4',
+                '--warmstart_episodes=12', '--warmstart_steps=1', '--steps=3', '--batch_size=2', '--group_size=2',
+                '--eval_every=0', '--n_embd=32', '--device=cpu', f'--out_dir={tmp_path}'])
+    assert seen['rl'] == {2} and 1 in seen['warm']
+    n_rl = sum(len(t.golds) >= 2 for t in gm.make_tasks('train', 40, seed=config['seed'], n_objectives=(1, 2)))
+    assert f'40 train ({n_rl} for RL) / 4 held-out' in capsys.readouterr().out
