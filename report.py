@@ -50,7 +50,7 @@ def episode_metrics(eps, prefix=''):
     """Means over episode summaries (reward_nonzero: the share of episodes whose reward is not 0,
     what a sparse reward gives GRPO to work with; truncation_rate, and stop_<reason> the share cut by
     each limit in gym.TRUNCATED); memory gyms add EM/F1/TT/PT and truncation overall and per
-    objective count k, and the memory gym mem_quality (gyms/memory.py memory_quality, the mean over
+    objective count k (and success_rate_k), and the memory gym mem_quality (gyms/memory.py memory_quality, the mean over
     the episodes that have one).
     Format, for gyms whose env reports format_ok (the <mem> turn format): format_ok, the fraction of
     episodes whose every turn keeps the format and that end in an answer (an episode cut by the
@@ -75,7 +75,8 @@ def episode_metrics(eps, prefix=''):
         for suffix, es in [('', eps)] + [(f'_k{k}', v) for k, v in sorted(by_k.items())]:
             for key in ('em', 'f1', 'tt', 'pt', 'ht'):  # ht: the full history of the same episodes
                 out[f'{prefix}{key}{suffix}'] = sum(float(e.get(key, 0.0)) for e in es) / len(es)
-            if suffix:  # overall: truncation_rate above
+            if suffix:  # overall: success_rate and truncation_rate above
+                out[f'{prefix}success_rate{suffix}'] = sum(e['success'] for e in es) / len(es)
                 out[f'{prefix}truncation_rate{suffix}'] = sum(e['stop'] in TRUNCATED for e in es) / len(es)
             quality = [e['mem_quality'] for e in es if e.get('mem_quality') is not None]  # memory gym
             if quality:

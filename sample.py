@@ -403,7 +403,8 @@ def load_dump(path, rest):
 
 def logged_numbers(ckpt, split, sampled):
     """What the run of checkpoint ckpt (load_run's dict) logged for this evaluation at the checkpoint's
-    step, from the metrics.jsonl beside it, in evaluate()'s names: greedy {'success_rate': eval_greedy_success},
+    step, from the metrics.jsonl beside it, in evaluate()'s names: greedy {'success_rate': eval_greedy_success,
+    'success_rate_k1': eval_greedy_success_k1, ...},
     sampled every eval_* metric (eval_val_* for split 'val'). Returns (numbers, None), or (None, why not)."""
     metrics = os.path.join(os.path.dirname(ckpt['path']), 'metrics.jsonl')
     prefix = EVAL_PREFIX.get(SPLITS[split])
@@ -415,8 +416,9 @@ def logged_numbers(ckpt, split, sampled):
     if not rows:
         return None, (f"{metrics} has no evaluation of this split at step {ckpt['step']} (not evaluated: eval_every; "
                       "or its line is unreadable)")
-    if not sampled:
-        return dict(success_rate=rows[-1][prefix + 'greedy_success']), None
+    if not sampled:  # greedy_success and, on memory gyms, greedy_success_k1..
+        greedy = prefix + 'greedy_success'
+        return {'success_rate' + k[len(greedy):]: v for k, v in rows[-1].items() if k.startswith(greedy)}, None
     return {k[len(prefix):]: v for k, v in rows[-1].items() if k.startswith(prefix)}, None
 
 

@@ -257,8 +257,11 @@ def evaluate(model, gym_, cfg, step):
                      for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
             check_invalid(trajs, f"evaluation ({'greedy' if temp == 0 else 'sampled'})")
             eps = gather([report.summarise(t) for t in trajs])
-            out[key] = report.episode_metrics(eps)['success_rate']
-            if key == sampled_key:
+            m = report.episode_metrics(eps)
+            if key == greedy_key:  # success, and on memory gyms success by parts (greedy_success_k1..)
+                out.update({key + k[len('success_rate'):]: v for k, v in m.items() if k.startswith('success_rate')})
+            else:
+                out[key] = m['success_rate']
                 out.update(report.episode_metrics(eps, prefix))
     return dict(out, **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
 

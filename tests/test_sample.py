@@ -495,7 +495,9 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     assert same['numbers']['tt'] == logged['eval_tt'] and same['same'] and same['differs_in'] == []
     assert 'the run logged at step 7: ' in capsys.readouterr().out
     greedy = sample.main([ckpt, '--eval', '--show=0'])['logged']
-    assert greedy['numbers'] == dict(success_rate=logged['eval_greedy_success']) and greedy['same']
+    assert greedy['numbers'] == {'success_rate' + k[len('eval_greedy_success'):]: v for k, v in logged.items()
+                                 if k.startswith('eval_greedy_success')} and greedy['same']
+    assert set(greedy['numbers']) == {'success_rate', *(f'success_rate_k{k}' for k in range(1, 5))}  # by parts too
     assert capsys.readouterr().out.rstrip().splitlines()[-2].endswith(': the same')
     other = sample.main([ckpt, '--eval', '--show=0', '--sampled', '--batch=2', '--temperature=0.7'])
     line = capsys.readouterr().out.splitlines()[-2]

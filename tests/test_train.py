@@ -420,6 +420,32 @@ def test_truncation_is_logged_by_limit_and_by_k():
     assert (m['eval_val_truncation_rate_k1'], m['eval_val_truncation_rate_k2'], m['eval_val_truncation_rate_k3']) == (0, 0, 1)
 
 
+def test_greedy_success_is_logged_by_number_of_parts(monkeypatch):
+    """evaluate() logs eval_greedy_success_k{k} (and the sampled eval_success_rate_k{k}) on the memory gym:
+    each the share of that k's greedy episodes that succeeded, checked against the episodes themselves
+    (a lossy oracle plays, so success differs by k)."""
+    import train
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=20', '--eval_tasks=30', '--eval_samples=1', '--device=cpu',
+                       '--n_embd=32', '--oracle_forget=0.5'])
+    gym_ = load_gym(cfg, None, config)
+    rollouts, run_tasks = [], train.run_tasks
+
+    def oracle(model, gym_, cfg, tasks, reps, **kw):
+        policies = [gym_['warm_policy'](random.Random(i)) for i in range(len(tasks) * reps)]
+        rollouts.append(run_tasks(policies, gym_, cfg, [t for t in tasks for _ in range(reps)]))
+        return rollouts[-1]
+    monkeypatch.setattr(train, 'run_tasks', oracle)
+    m = train.evaluate(None, gym_, cfg, 0)
+    greedy = [(len(t.task.golds), t.info['success']) for t in rollouts[0]]
+    ks = sorted({k for k, _ in greedy})
+    assert ks == [1, 2, 3, 4, 5] and len({m[f'eval_greedy_success_k{k}'] for k in ks}) > 1
+    for k in ks:
+        won = [s for kk, s in greedy if kk == k]
+        assert m[f'eval_greedy_success_k{k}'] == sum(won) / len(won)
+        assert f'eval_success_rate_k{k}' in m
+    assert m['eval_greedy_success'] == sum(s for _, s in greedy) / len(greedy)
+
+
 def test_an_episode_the_rollout_cut_counts_at_its_tasks_k():
     # the rollout's own cut (max_len, its turn cap) ends an episode with info {} (or a mid-episode step's
     # info): it used to land in k = 1 and, first in a batch, to drop every EM metric of the step
