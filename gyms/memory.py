@@ -32,8 +32,8 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
                           score_episode, strip_end_marker)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks', 'answer_reward', 'mem_target',
-        'show_budget', 'complete_bonus')
+KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks',
+        'answer_reward', 'mem_target', 'show_budget', 'complete_bonus')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -468,7 +468,8 @@ def setup(cfg, vocab=None):
     def warm(rng):
         policy = make_lossy_oracle(rng, p) if p else oracle_policy
         return folded_policy(with_detour(rng, detour, policy) if detour else policy)
-    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, rl_tasks=rl_tasks, eval_tasks=eval_tasks, val_tasks=val_tasks,
+    return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, rl_tasks=rl_tasks, eval_tasks=eval_tasks,
+                val_tasks=val_tasks,
                 make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"], show_budget=cfg["show_budget"],
                                            turn_limit=cfg["max_turns"], complete_bonus=cfg["complete_bonus"]),
                 warm_policy=warm, baselines={}, answer_text=answer_text)
