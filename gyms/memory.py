@@ -454,6 +454,9 @@ def setup(cfg, vocab=None):
         raise ValueError(f"config key 'rl_min_objectives' must be 1..max_objectives ({k}), got {cfg['rl_min_objectives']}")
     train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"], n_objectives=(1, k))
     rl_tasks = [t for t in train_tasks if len(t.golds) >= cfg["rl_min_objectives"]]
+    if not rl_tasks:
+        raise ValueError(f"no training task has {cfg['rl_min_objectives']}+ parts (rl_min_objectives) among "
+                         f"{len(train_tasks)}: lower it or raise train_tasks")
     eval_tasks = make_tasks("heldout", cfg["eval_tasks"] or 96, seed=cfg["seed"], n_objectives=(1, k + 1))
     val_tasks = make_tasks("val", cfg["val_tasks"], seed=cfg["seed"], n_objectives=(1, k + 1))
     if cfg["model"] == "tiny":

@@ -199,6 +199,8 @@ def test_rl_tasks_are_the_training_tasks_with_enough_parts():
     for bad in (0, 3):
         with pytest.raises(ValueError, match=f"'rl_min_objectives' must be 1..max_objectives \\(2\\), got {bad}"):
             g.setup(dict(cfg, rl_min_objectives=bad))
+    with pytest.raises(ValueError, match=r"no training task has 2\+ parts \(rl_min_objectives\) among 1: "):
+        g.setup(dict(cfg, train_tasks=1, seed=0, rl_min_objectives=2))  # its one task has a single part
 
 
 def test_held_out_vocabulary_covered_by_training():
