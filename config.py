@@ -120,8 +120,8 @@ config = dict(
     dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
 )
 TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
-# keys only training reads: what to do with out_dir, and the warm start, RL and logging sections above
-TRAINING_KEYS = ('resume', 'overwrite', *list(config)[list(config).index('warmstart_episodes'):])
+# keys only training reads: what to do with out_dir, which tasks RL draws, and the warm start, RL and logging sections above
+TRAINING_KEYS = ('resume', 'overwrite', 'rl_min_objectives', *list(config)[list(config).index('warmstart_episodes'):])
 
 
 TRUE_WORDS, FALSE_WORDS = ('true', '1', 'yes'), ('false', '0', 'no')  # what a bool key's value may be written as

@@ -382,7 +382,7 @@ def test_metrics_rollout_of_a_checkpoint_is_one_line(tmp_path, capsys):
 def test_a_training_key_is_refused_not_ignored(tmp_path, capsys):
     """--steps or --lr on sample.py's command line would change nothing: one line names the key; a
     rollout key (--max_turns) is not refused there."""
-    for arg in ('--steps=3', '--lr=0.1', '--resume', '--warmstart_steps=2'):
+    for arg in ('--steps=3', '--lr=0.1', '--resume', '--warmstart_steps=2', '--rl_min_objectives=2'):
         with pytest.raises(SystemExit) as e:
             sample.main([f'--out_dir={tmp_path}', arg])
         err = capsys.readouterr().err
