@@ -59,8 +59,6 @@ config = dict(
     complete_bonus=0.0,          # gym memory: points added to a well-formed answer when every part of it is right
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
-    rl_min_objectives=1,         # gym memory: RL draws only training questions with at least this many parts (the
-                                 # warm start imitates them all)
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
     oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
     show_budget=False,           # gym memory: each observation ends with 'turns left N' (under folding the policy
@@ -82,6 +80,8 @@ config = dict(
     steps=100,                   # RL steps; 0: the warm start and the step-0 evaluation only
     batch_size=8,                # tasks per step
     group_size=8,                # rollouts per task
+    rl_min_objectives=1,         # gym memory: RL draws only training questions with at least this many parts (the
+                                 # warm start imitates them all)
     lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,  # AdamW of the RL steps
     warmup_steps=5,              # RL steps of linear lr warm-up from 0
     min_lr=-1.0,                 # >= 0: cosine decay from lr to min_lr over the RL steps after warm-up; < 0: constant lr
@@ -120,8 +120,8 @@ config = dict(
     dump_rollouts=False,         # at each eval step save the training batch (+ advantages) for sample.py
 )
 TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
-# keys only training reads: what to do with out_dir, which tasks RL draws, and the warm start, RL and logging sections above
-TRAINING_KEYS = ('resume', 'overwrite', 'rl_min_objectives', *list(config)[list(config).index('warmstart_episodes'):])
+# keys only training reads: what to do with out_dir, and the warm start, RL and logging sections above
+TRAINING_KEYS = ('resume', 'overwrite', *list(config)[list(config).index('warmstart_episodes'):])
 
 
 TRUE_WORDS, FALSE_WORDS = ('true', '1', 'yes'), ('false', '0', 'no')  # what a bool key's value may be written as

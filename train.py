@@ -257,12 +257,13 @@ def evaluate(model, gym_, cfg, step):
                      for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
             check_invalid(trajs, f"evaluation ({'greedy' if temp == 0 else 'sampled'})")
             eps = gather([report.summarise(t) for t in trajs])
-            m = report.episode_metrics(eps)
+            m = report.episode_metrics(eps, prefix)
             if key == greedy_key:  # success, and on memory gyms success by parts (greedy_success_k1..)
-                out.update({key + k[len('success_rate'):]: v for k, v in m.items() if k.startswith('success_rate')})
+                success = prefix + 'success_rate'
+                out.update({key + k[len(success):]: v for k, v in m.items() if k.startswith(success)})
             else:
-                out[key] = m['success_rate']
-                out.update(report.episode_metrics(eps, prefix))
+                out[key] = m[prefix + 'success_rate']
+                out.update(m)
     return dict(out, **{f'eval_baseline_{k}': v for k, v in gym_['baselines'].items()})
 
 
