@@ -1,5 +1,9 @@
+import importlib.util
+import os
 import random
 import unicodedata
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -7,6 +11,8 @@ from hypothesis import given, settings, strategies as st
 import gym
 from gyms import answers
 from gyms import memory as g
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -----------------------------------------------------------------------------
 # scoring
@@ -238,6 +244,37 @@ def test_oracle_memory_keeps_the_root_of_the_pending_objective():
         == "arvenia ; bo </mem> <answer> arvenia ; bo </answer>"
     # a fact that does not match the pending hop changes nothing
     assert g.oracle_mem(q, "moonfall ada born in located in", "bo born in varn") == "moonfall ada born in located in"
+
+
+def test_memory_plans_reads_each_objectives_plan_and_answer():
+    """scripts/memory_plans.py: the oracle plans and answers every objective right; a wrong relation in
+    the second objective's plan, or an answer that stops after one part, is counted where it happens."""
+    spec = importlib.util.spec_from_file_location("memory_plans", os.path.join(ROOT, "scripts", "memory_plans.py"))
+    plans = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plans)
+    task = next(t for t in g.make_tasks("heldout", 50, seed=3) if len(t.golds) == 3)
+    turns, _, _, info = g.play(task, g.oracle_policy)
+    assert info["success"]
+    every = dict(opened=True, plan_right=True, answered=True, right=True, right_after_right_plan=True)
+    assert plans.part_outcomes(task, turns) == [every] * 3
+    second = g._pending_chain(task.question.split(" ; ")[1])  # 'root root rel1 rel2 ...'
+    swapped = "married to" if "married to" not in second else "born in"
+    wrong = second.split()[:2] + swapped.split() + second.split()[4:]  # its first hop's relation swapped
+    bad = [a.replace(second, " ".join(wrong)) for a in turns]
+    assert bad != turns
+    got = plans.part_outcomes(task, bad)
+    assert got[0] == every and got[2] == every
+    assert got[1] == dict(opened=True, plan_right=False, answered=True, right=True, right_after_right_plan=False)
+    first = task.golds[0][0]
+    short = turns[:-1] + [f"{first} </mem> <answer> {first} </answer>"]  # one part answered, then stop
+    got = plans.part_outcomes(task, short)
+    assert got[0] == every and [o["answered"] for o in got] == [True, False, False]
+    assert [o["right"] for o in got] == [True, False, False]
+    assert plans.part_outcomes(task, []) == [dict.fromkeys(every, False)] * 3
+    counts = plans.tally([SimpleNamespace(task=task, info=dict(actions=turns)),
+                          SimpleNamespace(task=task, info=dict(actions=short))], "heldout")
+    assert counts[("heldout", 3, 1)]["right"] == 2 and counts[("heldout", 3, 2)] == Counter(
+        n=2, opened=2, plan_right=2, answered=1, right=1, right_after_right_plan=1)
 
 
 def test_roots_distinct_within_a_question():
