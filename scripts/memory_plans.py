@@ -3,7 +3,8 @@ Where do a memory-gym agent's multi-part answers go wrong? For each checkpoint g
 and validation task once, greedy (sample.evaluate: train.py's evaluation), and per objective of each
 task: was it opened, did the turn that opened it write the right relation chain into <mem> (its plan:
 the segment 'root root rel1 rel2 ...' the oracle writes, gyms/memory.py), and is its part of the
-final answer right. Prints one line per split, number of parts k and objective j (1 = first).
+final answer right; a wrong plan is counted as shorter or longer than the right one when it has
+fewer or more words. Prints one line per split, number of parts k and objective j (1 = first).
 
     python scripts/memory_plans.py out/val_Q_s40/ckpt_000000.pt out/val_Q_s40/ckpt_000060.pt
 
@@ -19,12 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gyms import memory as gm
 from gyms.answers import em, extract_answer, extract_mem
 
-COLUMNS = ('opened', 'plan_right', 'answered', 'right', 'right_after_right_plan')
+COLUMNS = ('opened', 'plan_right', 'plan_shorter', 'plan_longer', 'answered', 'right', 'right_after_right_plan')
 
 
 def part_outcomes(task, actions):
-    """Per objective of a memory task, in the question's order: dict(opened, plan_right, answered, right,
-    right_after_right_plan) of bools, from the episode's decoded policy turns `actions` (list[str])."""
+    """Per objective of a memory task, in the question's order: dict of bools (COLUMNS; plan_shorter and
+    plan_longer: a wrong plan with fewer or more words than the right one, i.e. hops dropped or added),
+    from the episode's decoded policy turns `actions` (list[str])."""
     segments = [s.split() for a in actions for s in (extract_mem('<mem> ' + a) or '').split(';')]
     answer = extract_answer(actions[-1]) if actions else None
     parts = [p.strip() for p in answer.split(';')] if answer is not None else []
@@ -34,7 +36,9 @@ def part_outcomes(task, actions):
         seg = next((s for s in segments if s[:2] == plan[:2]), None)
         got = parts[j] if j < len(parts) else ''
         right = bool(got) and em(got, task.golds[j]) == 1.0
-        out.append(dict(opened=seg is not None, plan_right=seg == plan, answered=bool(got), right=right,
+        wrong = seg is not None and seg != plan
+        out.append(dict(opened=seg is not None, plan_right=seg == plan, plan_shorter=wrong and len(seg) < len(plan),
+                        plan_longer=wrong and len(seg) > len(plan), answered=bool(got), right=right,
                         right_after_right_plan=right and seg == plan))
     return out
 

@@ -255,7 +255,8 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     task = next(t for t in g.make_tasks("heldout", 50, seed=3) if len(t.golds) == 3)
     turns, _, _, info = g.play(task, g.oracle_policy)
     assert info["success"]
-    every = dict(opened=True, plan_right=True, answered=True, right=True, right_after_right_plan=True)
+    every = dict(opened=True, plan_right=True, plan_shorter=False, plan_longer=False, answered=True, right=True,
+                 right_after_right_plan=True)
     assert plans.part_outcomes(task, turns) == [every] * 3
     second = g._pending_chain(task.question.split(" ; ")[1])  # 'root root rel1 rel2 ...'
     swapped = "married to" if "married to" not in second else "born in"
@@ -264,7 +265,11 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     assert bad != turns
     got = plans.part_outcomes(task, bad)
     assert got[0] == every and got[2] == every
-    assert got[1] == dict(opened=True, plan_right=False, answered=True, right=True, right_after_right_plan=False)
+    assert got[1] == dict(every, plan_right=False, right_after_right_plan=False)  # same length: neither shorter nor longer
+    cut = [a.replace(second, " ".join(second.split()[:-2])) for a in turns]  # its last hop dropped
+    longer = [a.replace(second, second + " born in") for a in turns]  # one hop added
+    assert plans.part_outcomes(task, cut)[1]["plan_shorter"] and not plans.part_outcomes(task, cut)[1]["plan_longer"]
+    assert plans.part_outcomes(task, longer)[1]["plan_longer"] and not plans.part_outcomes(task, longer)[1]["plan_shorter"]
     first = task.golds[0][0]
     short = turns[:-1] + [f"{first} </mem> <answer> {first} </answer>"]  # one part answered, then stop
     got = plans.part_outcomes(task, short)
@@ -274,7 +279,7 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     counts = plans.tally([SimpleNamespace(task=task, info=dict(actions=turns)),
                           SimpleNamespace(task=task, info=dict(actions=short))], "heldout")
     assert counts[("heldout", 3, 1)]["right"] == 2 and counts[("heldout", 3, 2)] == Counter(
-        n=2, opened=2, plan_right=2, answered=1, right=1, right_after_right_plan=1)
+        n=2, opened=2, plan_right=2, plan_shorter=0, plan_longer=0, answered=1, right=1, right_after_right_plan=1)
 
 
 def test_roots_distinct_within_a_question():
