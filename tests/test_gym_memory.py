@@ -255,8 +255,8 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     task = next(t for t in g.make_tasks("heldout", 50, seed=3) if len(t.golds) == 3)
     turns, _, _, info = g.play(task, g.oracle_policy)
     assert info["success"]
-    every = dict(opened=True, plan_right=True, plan_shorter=False, plan_longer=False, answered=True, right=True,
-                 right_after_right_plan=True)
+    every = dict(opened=True, plan_right=True, plan_shorter=False, plan_longer=False, plan_other=False, answered=True,
+                 right=True, right_after_right_plan=True)
     assert plans.part_outcomes(task, turns) == [every] * 3
     second = g._pending_chain(task.question.split(" ; ")[1])  # 'root root rel1 rel2 ...'
     swapped = "married to" if "married to" not in second else "born in"
@@ -265,7 +265,13 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     assert bad != turns
     got = plans.part_outcomes(task, bad)
     assert got[0] == every and got[2] == every
-    assert got[1] == dict(every, plan_right=False, right_after_right_plan=False)  # same length: neither shorter nor longer
+    assert got[1] == dict(every, plan_right=False, plan_other=True, right_after_right_plan=False)  # same length
+    opening = next(i for i, a in enumerate(turns) if second in a)
+    rewritten = turns[:opening] + [bad[opening]] + turns[opening:]  # the wrong plan first, then the right one
+    assert not plans.part_outcomes(task, rewritten)[1]["plan_right"]  # the first plan counts
+    root = second.split()[0]
+    once = [a.replace(second, root + " x " + " ".join(second.split()[2:])) for a in turns]  # root written once
+    assert not plans.part_outcomes(task, once)[1]["opened"]
     cut = [a.replace(second, " ".join(second.split()[:-2])) for a in turns]  # its last hop dropped
     longer = [a.replace(second, second + " born in") for a in turns]  # one hop added
     assert plans.part_outcomes(task, cut)[1]["plan_shorter"] and not plans.part_outcomes(task, cut)[1]["plan_longer"]
@@ -276,10 +282,14 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     assert got[0] == every and [o["answered"] for o in got] == [True, False, False]
     assert [o["right"] for o in got] == [True, False, False]
     assert plans.part_outcomes(task, []) == [dict.fromkeys(every, False)] * 3
-    counts = plans.tally([SimpleNamespace(task=task, info=dict(actions=turns)),
-                          SimpleNamespace(task=task, info=dict(actions=short))], "heldout")
+    unscored = plans.part_outcomes(task, turns, answered=False)  # out of turns, or a refused answer turn
+    assert [o["answered"] or o["right"] for o in unscored] == [False] * 3 and unscored[0]["plan_right"]
+    counts = plans.tally([SimpleNamespace(task=task, info=dict(actions=turns, stop="answer")),
+                          SimpleNamespace(task=task, info=dict(actions=short, stop="answer")),
+                          SimpleNamespace(task=task, info=dict(actions=turns, stop="max_turns"))], "heldout")
     assert counts[("heldout", 3, 1)]["right"] == 2 and counts[("heldout", 3, 2)] == Counter(
-        n=2, opened=2, plan_right=2, plan_shorter=0, plan_longer=0, answered=1, right=1, right_after_right_plan=1)
+        n=3, opened=3, plan_right=3, plan_shorter=0, plan_longer=0, plan_other=0, answered=1, right=1,
+        right_after_right_plan=1)
 
 
 def test_roots_distinct_within_a_question():
