@@ -57,6 +57,8 @@ config = dict(
     answer_reward='em',          # gym searchqa, memory: 'em' (objectives answered exactly, MemPO's) | 'f1' (their
                                  # token F1 summed) | 'all' (k points only when all k are right; gyms/answers.py)
     complete_bonus=0.0,          # gym memory: points added to a well-formed answer when every part of it is right
+    hop_reward=0.0,              # gym memory: points added to a well-formed answer for the question's hops found in
+                                 # order, as a fraction of them all (a process reward; gyms/memory.py MemoryEnv)
     train_tasks=0,               # gym memory, searchqa: training tasks, 0 = the gym's default
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
@@ -279,7 +281,7 @@ RANGES = dict(
     **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
                               'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
                               'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',
-                              'adv_eps', 'lora_rank', 'tis_cap', 'truncation_penalty', 'complete_bonus')},
+                              'adv_eps', 'lora_rank', 'tis_cap', 'truncation_penalty', 'complete_bonus', 'hop_reward')},
     oversample=(1, None),
     seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
 )

@@ -32,7 +32,7 @@ def summarise(t):
     """The numbers of one episode that metrics need (small, so ranks can exchange them). An answer
     episode (task.golds: one alias list per objective) that the rollout cut, or an env error ended,
     has no scores in its info: it counts as EM 0 at its task's k, not at k = 1."""
-    keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns', 'mem_quality', 'n_invalid', 'format_ok')
+    keys = ('em', 'f1', 'k', 'tt', 'pt', 'ht', 'n_turns', 'mem_quality', 'hop_share', 'n_invalid', 'format_ok')
     out = dict(reward=t.reward, success=bool(t.info.get('success')), stop=t.info.get('stop'), valid=t.valid,
                **{k: t.info[k] for k in keys if k in t.info})
     golds = getattr(getattr(t, 'task', None), 'golds', None)  # an answer gym's task: one alias list per objective
@@ -50,8 +50,8 @@ def episode_metrics(eps, prefix=''):
     """Means over episode summaries (reward_nonzero: the share of episodes whose reward is not 0,
     what a sparse reward gives GRPO to work with; truncation_rate, and stop_<reason> the share cut by
     each limit in gym.TRUNCATED); memory gyms add EM/F1/TT/PT and truncation overall and per
-    objective count k (and success_rate_k), and the memory gym mem_quality (gyms/memory.py memory_quality, the mean over
-    the episodes that have one).
+    objective count k (and success_rate_k), and the memory gym's mem_quality (gyms/memory.py memory_quality) and
+    hop_share (the share of the question's hops found in order, MemoryEnv), each the mean over the episodes that have one.
     Format, for gyms whose env reports format_ok (the <mem> turn format): format_ok, the fraction of
     episodes whose every turn keeps the format and that end in an answer (an episode cut by the
     rollout, which has no format_ok, counts as not ok), and turn_format_ok, the fraction of turns that
@@ -78,9 +78,10 @@ def episode_metrics(eps, prefix=''):
             if suffix:  # overall: success_rate and truncation_rate above
                 out[f'{prefix}success_rate{suffix}'] = sum(e['success'] for e in es) / len(es)
                 out[f'{prefix}truncation_rate{suffix}'] = sum(e['stop'] in TRUNCATED for e in es) / len(es)
-            quality = [e['mem_quality'] for e in es if e.get('mem_quality') is not None]  # memory gym
-            if quality:
-                out[f'{prefix}mem_quality{suffix}'] = sum(quality) / len(quality)
+            for key in ('mem_quality', 'hop_share'):  # memory gym: over the episodes it scored
+                values = [e[key] for e in es if e.get(key) is not None]
+                if values:
+                    out[f'{prefix}{key}{suffix}'] = sum(values) / len(values)
     out.update(quality_corr([p for e in eps for p in e.get('mem_pairs', ())], f'{prefix}mem_reward_quality_corr'))
     return out
 

@@ -33,7 +33,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
 
 MODEL = 'any'
 KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks',
-        'answer_reward', 'mem_target', 'show_budget', 'complete_bonus')
+        'answer_reward', 'mem_target', 'show_budget', 'complete_bonus', 'hop_reward')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -119,12 +119,13 @@ def needed_entities(task, found):
 
 def progress(task, found):
     """(what a folded agent must carry from the facts found so far: the answer of each objective it
-    finished and the farthest entity of the one in progress; how many objectives it finished).
+    finished and the farthest entity of the one in progress; how many objectives it finished; how many
+    hops of the question's chains it found in order, 0..sum(task.hops)).
     found: {'entity rel1 rel2': [turns whose search returned it]}. Objectives are taken in the question's order, as the oracle takes them: a
     hop counts for an objective only when found after the hop before it (after the previous
     objective's last hop, for its first one), so a fact found earlier for another objective is not
     this one's progress. The root is in the question and never needed."""
-    out, last = [], -1
+    out, last, n_hops = [], -1, 0
     for n_done, q in enumerate(task.question.split(" ; ")):
         words = q.split(" of ")
         e = root = words[-1]
@@ -136,11 +137,12 @@ def progress(task, found):
             e, last = task.facts[f"{e} {rel}"], min(later)
         else:
             done = len(hops)
+        n_hops += done
         if e != root:
             out.append(e)
         if done < len(hops):  # this objective is in progress: the ones after it have not started
-            return out, n_done
-    return out, len(task.golds)
+            return out, n_done, n_hops
+    return out, len(task.golds), n_hops
 
 
 def memory_quality(task, turn_text, found):
@@ -210,7 +212,9 @@ class MemoryEnv:
     - well-formed search: observation = the fact sentence ('moonfall directed by ada') or 'no result'
     - well-formed answer: ends the episode; reward = em_count (0..k; answer_reward='all': k only when
       every objective is right, answers.answer_reward), plus complete_bonus when every objective is
-      right, if the WHOLE episode passes validate_format, else 0.0
+      right, plus hop_reward * (hops of the question's chains found in order) / (all its hops), if
+      the WHOLE episode passes validate_format, else 0.0 (hop_reward is a process reward: a search
+      that follows the question's chain pays even when the answer is then wrong)
     - malformed turn: observation 'error : bad format', counted in n_invalid; the episode goes on
       but its final reward will be 0 (the format check covers every turn). A turn cut at the
       response limit (finish='length') is malformed whatever its text (its text fails the format
@@ -222,8 +226,9 @@ class MemoryEnv:
     """
 
     def __init__(self, max_turns=None, require_think=False, answer_reward='em', show_budget=False, turn_limit=None,
-                 complete_bonus=0.0):
+                 complete_bonus=0.0, hop_reward=0.0):
         self.max_turns, self.require_think, self.complete_bonus = max_turns, require_think, complete_bonus
+        self.hop_reward = hop_reward
         self.answer_reward = check_answer_reward(answer_reward)
         self.show_budget, self.turn_limit = show_budget, turn_limit
 
@@ -266,11 +271,13 @@ class MemoryEnv:
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         scored = ok and stop == "answer"
         success = scored and s["em_count"] == s["k"]  # every objective right AND a valid format
-        reward = answer_reward(s, self.answer_reward) + self.complete_bonus * success if scored else 0.0
+        hop_share = progress(self.task, self.found)[2] / self.task.question.count(" of ")  # one hop per ' of '
+        reward = (answer_reward(s, self.answer_reward) + self.complete_bonus * success
+                  + self.hop_reward * hop_share) if scored else 0.0
         known = [q for q in self.quality if q is not None]
         info = dict(stop=stop, success=success, n_turns=len(self.turns), n_invalid=self.n_invalid,
                     format_ok=ok, format_reason=reason, answer=answer, mem_quality_turns=list(self.quality),
-                    answers_found_turns=list(self.n_found),
+                    answers_found_turns=list(self.n_found), hop_share=hop_share,
                     mem_quality=sum(known) / len(known) if known else None, turn_ok=turn_ok, **s)
         return reward, True, info
 
@@ -474,5 +481,6 @@ def setup(cfg, vocab=None):
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, rl_tasks=rl_tasks, eval_tasks=eval_tasks,
                 val_tasks=val_tasks,
                 make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"], show_budget=cfg["show_budget"],
-                                           turn_limit=cfg["max_turns"], complete_bonus=cfg["complete_bonus"]),
+                                           turn_limit=cfg["max_turns"], complete_bonus=cfg["complete_bonus"],
+                                           hop_reward=cfg["hop_reward"]),
                 warm_policy=warm, baselines={}, answer_text=answer_text)

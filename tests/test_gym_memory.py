@@ -367,6 +367,43 @@ def test_complete_bonus_pays_only_a_complete_well_formed_answer():
         load_config(["config/tiny_mem.yaml", "--complete_bonus=-1"])
 
 
+def test_hop_reward_pays_the_question_hops_found_in_order():
+    """hop_reward: a well-formed answer earns hop_reward * (hops found in the question's order) /
+    (all hops) on top of its EM points; a hop of the second objective searched before the first
+    objective is finished does not count, a wrong search counts nothing, and a malformed episode
+    earns 0; the config key reaches the gym's env."""
+    from config import load_config
+    t = next(t for t in g.make_tasks("train", 50) if t.hops == [2, 3])
+    (q1, q2), golds = t.question.split(" ; "), [a[0] for a in t.golds]
+    chain = lambda q: [q.split(" of ")[-1]] + [g.NOUN_TO_REL[w] for w in reversed(q.split(" of ")[:-1])]
+
+    def searches(q):  # the oracle's searches for one objective: entity + hop, in the chain's order
+        e, out = chain(q)[0], []
+        for rel in chain(q)[1:]:
+            out.append(f"{e} {rel}")
+            e = t.facts[f"{e} {rel}"]
+        return out
+    s1, s2 = searches(q1), searches(q2)
+    env = gym.load_gym(load_config(["config/tiny_mem.yaml", "--hop_reward=1.0", "--train_tasks=4", "--eval_tasks=4"]))["make_env"]()
+    wrong = f"{golds[0]} ; wrong"
+    for done, answer, em, hops in [(s1 + s2, " ; ".join(golds), 2, 5), (s1, wrong, 1, 2), (s2[:1] + s1, wrong, 1, 2),
+                                   (s2 + s1, wrong, 1, 2), (s1 + s2[:2], wrong, 1, 4), ([], "wrong ; wrong", 0, 0),
+                                   (["nobody married to"] + s1[:1], "wrong ; wrong", 0, 1)]:
+        env.reset(t)
+        for q in done:
+            assert not env.step(f"m </mem> <search> {q} </search>")[2]
+        _, r, finished, info = env.step(f"m </mem> <answer> {answer} </answer>")
+        assert finished and r == pytest.approx(em + hops / 5) and info["hop_share"] == hops / 5
+        assert g.progress(t, env.found)[2] == hops
+    env.reset(t)
+    env.step("m </mem> not a tool call")
+    for q in s1 + s2:
+        env.step(f"m </mem> <search> {q} </search>")
+    assert env.step(f"m </mem> <answer> {' ; '.join(golds)} </answer>")[1] == 0.0
+    with pytest.raises(SystemExit):
+        load_config(["config/tiny_mem.yaml", "--hop_reward=-1"])
+
+
 def test_baselines_are_weak():
     ts = g.make_tasks("train", 200)
     assert sum(g.play(t, g.any_answer_policy)[2] for t in ts) == 0
