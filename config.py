@@ -92,6 +92,8 @@ config = dict(
     mini_batches=2,              # mini-batches per epoch (each an optimizer step)
     clip_low=0.2, clip_high=0.28,  # PPO's ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher)
     kl_coef=0.0,                 # weight of the KL penalty to the frozen reference (the policy after the warm start)
+    sft_coef=0.0,                # PPO-ptx: weight of the warm start's imitation loss on scripted episodes, added to each
+                                 # RL step's first mini-batch (train.py ppo_update); 0 = off
     kl_type='k3',                # k1 | k2 | k3
     loss_agg='token-mean',       # token-mean | seq-mean | drgrpo
     adv_std=True,                # divide by the group std (False: Dr.GRPO's r - mean)
@@ -281,7 +283,8 @@ RANGES = dict(
     **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
                               'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
                               'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',
-                              'adv_eps', 'lora_rank', 'tis_cap', 'truncation_penalty', 'complete_bonus', 'hop_reward')},
+                              'adv_eps', 'lora_rank', 'tis_cap', 'truncation_penalty', 'complete_bonus', 'hop_reward',
+                              'sft_coef')},
     oversample=(1, None),
     seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
 )
@@ -325,6 +328,8 @@ def check_combinations(cfg, defaults):
          f"episodes of a step (batch_size x group_size)"),
         (cfg['min_lr'] > cfg['lr'], ('min_lr', 'lr'),
          f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"),
+        (cfg['sft_coef'] and not cfg['warmstart_episodes'], ('sft_coef', 'warmstart_episodes'),
+         f"config key 'sft_coef' ({cfg['sft_coef']!r}) imitates the warm start's scripted episodes; warmstart_episodes is 0"),
         (cfg['lora_alpha'] <= 0, 'lora_alpha', f"config key 'lora_alpha' must be > 0, got {cfg['lora_alpha']!r}"),
         (0 < cfg['tis_cap'] < 1, 'tis_cap',  # min(w, C) with C < 1: a smaller step, not a correction
          f"config key 'tis_cap' must be 0 (off) or >= 1 (e.g. 2), got {cfg['tis_cap']!r}: "

@@ -99,7 +99,8 @@ def loss_weights(mask, row_episode, loss_agg, max_episode_tokens, n_tokens=None,
 # the PPO update
 
 
-def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None, at_reference=False):
+def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_global=None, at_reference=False,
+               scripted=None):
     """ppo_epochs passes over shuffled mini-batches of episodes, one optimizer step each. batch:
     collate() of this rank's episodes; adv, ref_logp (or None) [R, T-1]; at_reference: is_reference().
     A mini-batch without signal (no advantage on a trained token and a KL term of 0) takes no step:
@@ -111,7 +112,10 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     logged means (entropy, clip_frac, logp gap) are then over the rows computed (None when none was).
     Data parallel: episode_ids [N] index this rank's episodes in the global batch of n_global,
     shuffled alike on every rank with global normalisers, so N ranks take the step of one process.
-    Returns a dict of metrics."""
+    scripted (scripted_episodes, with sft_coef > 0): the first mini-batch's gradient also gets
+    sft_coef x the warm start's imitation loss on warmstart_batch_size scripted episodes drawn with rng
+    (PPO-ptx: Ouyang et al. 2022, "Training language models to follow instructions", §3.5), logged as
+    sft_loss (nats per policy token, before the step). Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
     mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # [R, T-1]; invalid episodes weigh 0
@@ -146,6 +150,10 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         keep = trained[rows]  # the normaliser above counts every row; only rows with signal are computed
         total = all_reduce(minibatch_loss(model, batch, rows[keep], mask, w[keep], adv, old, ref_logp, cfg, signal, sums,
                                           m if first else None, mask_t if first and cfg['tis_cap'] else None))
+        if first and scripted is not None:  # PPO-ptx: keep imitating the scripted policy (docstring)
+            sft_loss = warm_start_loss(model, scripted['batch'], draw_episodes(scripted, cfg['warmstart_batch_size'], rng), cfg)
+            (cfg['sft_coef'] / world_size() * sft_loss).backward()  # every rank draws the same: summed once
+            m['sft_loss'], signal = sft_loss.item(), True
         if first and cfg['tis_cap']:  # every old log-prob known: weight each token for the sampler's
             tis = tis_weights(old, batch['sample_logp'], mask_t, cfg['tis_cap'])
             adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched
@@ -283,14 +291,14 @@ def warm_start_loss(model, batch, idx, cfg):
     return nll / batch['action_mask'][idx].sum().clamp(min=1).to(cfg['device'])
 
 
-def warm_start(model, gym_, cfg, rng):
-    """Cross-entropy on the policy tokens of scripted episodes, rolled out by the same code as RL.
-    A step draws warmstart_batch_size episodes with all their rows (folded or not, the same turns;
-    warmstart_full adds each folded episode's full-history row).
-    Returns the mean loss of the last 10 steps (nats per policy token), or None without one."""
+def scripted_episodes(gym_, cfg, rng):
+    """warmstart_episodes episodes of the gym's scripted policy on training tasks drawn with rng, rolled
+    out by the same code as RL and collated (warmstart_full adds each folded episode's full-history row).
+    Returns dict(batch=collate(...), rows=[the batch rows of each episode]); episodes the env made
+    invalid are left out. Raises what run_tasks raises (OutOfVocabulary, GymContractError)."""
     n = cfg['warmstart_episodes']
-    if n == 0 or cfg['warmstart_steps'] == 0 or gym_['warm_policy'] is None:
-        return None
+    if gym_['warm_policy'] is None:
+        fail(f"config key 'sft_coef' imitates the gym's scripted policy; gym {cfg['gym']!r} has none")
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
     trajs = run_tasks(policies, gym_, cfg, tasks)
@@ -302,10 +310,25 @@ def warm_start(model, gym_, cfg, rng):
     trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
     for t in trajs if cfg['warmstart_full'] and cfg['keep_tool_results'] != 'all' else []:
         t.rows.append(full_history_row(t, cfg['max_len']))  # also read the un-folded history (MemPO's P_full)
-    batch, n = collate(trajs, gym_['fmt'].pad_id, cfg['pack_turns']), len(trajs)
+    batch = collate(trajs, gym_['fmt'].pad_id, cfg['pack_turns'])
+    return dict(batch=batch, rows=episode_rows(batch['row_episode'], len(trajs)))
+
+
+def draw_episodes(scripted, n, rng):
+    """The batch rows [r] of n scripted episodes drawn with rng (with replacement), all rows of each."""
+    return torch.tensor([r for _ in range(n) for r in scripted['rows'][rng.randrange(len(scripted['rows']))]])
+
+
+def warm_start(model, gym_, cfg, rng):
+    """Cross-entropy on the policy tokens of scripted episodes (scripted_episodes). A step draws
+    warmstart_batch_size episodes with all their rows (folded or not, the same turns).
+    Returns the mean loss of the last 10 steps (nats per policy token), or None without one."""
+    if cfg['warmstart_episodes'] == 0 or cfg['warmstart_steps'] == 0 or gym_['warm_policy'] is None:
+        return None
+    scripted = scripted_episodes(gym_, cfg, rng)
+    batch = scripted['batch']
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['warmstart_lr'], weight_decay=0.0)
     model.train()
-    rows_of = episode_rows(batch['row_episode'], n)  # a step draws episodes, not rows (docstring)
     losses = []
     for it in report.progress(range(cfg['warmstart_steps']), 'warm start', cfg, lambda: f'loss {losses[-1]:.3f}',
                               show=rank() == 0):
@@ -314,7 +337,7 @@ def warm_start(model, gym_, cfg, rng):
         frac, ramp = it / cfg['warmstart_steps'], 30 if cfg['warmstart_steps'] >= 40 else max(1, cfg['warmstart_steps'] // 5)
         for g in opt.param_groups:
             g['lr'] = cfg['warmstart_lr'] * min(1.0, (it + 1) / ramp) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        idx = torch.tensor([r for _ in range(cfg['warmstart_batch_size']) for r in rows_of[rng.randrange(n)]])
+        idx = draw_episodes(scripted, cfg['warmstart_batch_size'], rng)  # a step draws episodes, not rows
         loss = warm_start_loss(model, batch, idx, cfg)
         losses.append(loss.item())
         if not batch['action_mask'][idx].any():  # only scripted mistakes drawn: nothing to imitate, and
@@ -429,6 +452,8 @@ def main(argv):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                             weight_decay=cfg['weight_decay'])
     start, ref_model = begin(cfg, model, opt, gym_, rng, gen, ckpt)
+    # PPO-ptx's scripted episodes: their own draw, so RL's task draws are those of a run without them
+    scripted = scripted_episodes(gym_, cfg, random.Random(f"sft:{cfg['seed']}")) if cfg['sft_coef'] else None
     bad_steps = 0
     for step in report.progress(range(start + 1, cfg['steps'] + 1), 'RL', cfg, initial=start, total=cfg['steps'],
                                 show=master):
@@ -452,7 +477,7 @@ def main(argv):
         episode_ids = torch.tensor([t.group * cfg['group_size'] + i % cfg['group_size'] for i, t in enumerate(trajs)])
         t_update = time.time()
         m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'],
-                       ref_model is not None and is_reference(model, ref_model))
+                       ref_model is not None and is_reference(model, ref_model), scripted)
         update_time_s = time.time() - t_update
         peak_gb = peak_memory_gb(cfg['device'])  # this process's peak since the last step's update
         release_memory()  # freed activations back to the system when it runs short: a CPU heap ratchets up
