@@ -232,6 +232,8 @@ def load_gym(cfg, vocab=None, defaults=None):
     for key, split in (('train_tasks', 'train'), ('rl_tasks', 'RL'), ('eval_tasks', 'held-out')):
         if not gym_[key]:
             fail(f"gym {name!r} has an empty {split} split")
+    if cfg.get('sft_coef') and gym_['warm_policy'] is None:  # before any evaluation, not at the first RL step
+        fail(f"config key 'sft_coef' imitates the gym's scripted policy; gym {name!r} has none")
     if cfg.get('eval_tasks', 0) > len(gym_['eval_tasks']):  # a silent cap would report fewer tasks than asked
         fail(f"config key 'eval_tasks' asks for {cfg['eval_tasks']} held-out tasks; gym {name!r} has "
              f"{len(gym_['eval_tasks'])} (0 = all of them)")

@@ -78,7 +78,7 @@ def episode_metrics(eps, prefix=''):
             if suffix:  # overall: success_rate and truncation_rate above
                 out[f'{prefix}success_rate{suffix}'] = sum(e['success'] for e in es) / len(es)
                 out[f'{prefix}truncation_rate{suffix}'] = sum(e['stop'] in TRUNCATED for e in es) / len(es)
-            for key in ('mem_quality', 'hop_share'):  # memory gym: over the episodes it scored
+            for key in ('mem_quality', 'hop_share'):  # memory gym: over the episodes that have one
                 values = [e[key] for e in es if e.get(key) is not None]
                 if values:
                     out[f'{prefix}{key}{suffix}'] = sum(values) / len(values)

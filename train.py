@@ -112,8 +112,9 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     logged means (entropy, clip_frac, logp gap) are then over the rows computed (None when none was).
     Data parallel: episode_ids [N] index this rank's episodes in the global batch of n_global,
     shuffled alike on every rank with global normalisers, so N ranks take the step of one process.
-    scripted (scripted_episodes, with sft_coef > 0): the first mini-batch's gradient also gets
-    sft_coef x the warm start's imitation loss on warmstart_batch_size scripted episodes drawn with rng
+    scripted (scripted_episodes and an rng of their own, with sft_coef > 0): the first mini-batch's
+    gradient also gets sft_coef x the warm start's imitation loss on warmstart_batch_size scripted
+    episodes drawn with scripted['rng']
     (PPO-ptx: Ouyang et al. 2022, "Training language models to follow instructions", §3.5), logged as
     sft_loss (nats per policy token, before the step). Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
@@ -151,7 +152,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         total = all_reduce(minibatch_loss(model, batch, rows[keep], mask, w[keep], adv, old, ref_logp, cfg, signal, sums,
                                           m if first else None, mask_t if first and cfg['tis_cap'] else None))
         if first and scripted is not None:  # PPO-ptx: keep imitating the scripted policy (docstring)
-            sft_loss = warm_start_loss(model, scripted['batch'], draw_episodes(scripted, cfg['warmstart_batch_size'], rng), cfg)
+            sft_loss = warm_start_loss(model, scripted['batch'], draw_episodes(scripted, cfg['warmstart_batch_size'],
+                                                                               scripted['rng']), cfg)
             (cfg['sft_coef'] / world_size() * sft_loss).backward()  # every rank draws the same: summed once
             m['sft_loss'], signal = sft_loss.item(), True
         if first and cfg['tis_cap']:  # every old log-prob known: weight each token for the sampler's
@@ -297,8 +299,6 @@ def scripted_episodes(gym_, cfg, rng):
     Returns dict(batch=collate(...), rows=[the batch rows of each episode]); episodes the env made
     invalid are left out. Raises what run_tasks raises (OutOfVocabulary, GymContractError)."""
     n = cfg['warmstart_episodes']
-    if gym_['warm_policy'] is None:
-        fail(f"config key 'sft_coef' imitates the gym's scripted policy; gym {cfg['gym']!r} has none")
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
     trajs = run_tasks(policies, gym_, cfg, tasks)
@@ -477,7 +477,8 @@ def main(argv):
         episode_ids = torch.tensor([t.group * cfg['group_size'] + i % cfg['group_size'] for i, t in enumerate(trajs)])
         t_update = time.time()
         m = ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids, cfg['batch_size'] * cfg['group_size'],
-                       ref_model is not None and is_reference(model, ref_model), scripted)
+                       ref_model is not None and is_reference(model, ref_model),
+                       scripted and dict(scripted, rng=random.Random(f"sft:{cfg['seed']}:{step}")))
         update_time_s = time.time() - t_update
         peak_gb = peak_memory_gb(cfg['device'])  # this process's peak since the last step's update
         release_memory()  # freed activations back to the system when it runs short: a CPU heap ratchets up

@@ -264,14 +264,19 @@ class MemoryEnv:
             obs += f"\n{BUDGET_WORDS} {max(0, min(self.budget, self.turn_limit or self.budget) - len(self.turns))}"
         if len(self.turns) >= self.budget:
             return obs, *self._finish("max_turns", None, turn_ok=action is not None)
-        info["n_invalid"] = self.n_invalid
+        info.update(n_invalid=self.n_invalid, hop_share=self.hop_share())  # an episode the rollout cuts keeps these
         return obs, 0.0, False, info
+
+    def hop_share(self):
+        """The share of the question's hops that the searches so far found in order (progress; one hop
+        per ' of ' in the question), 0..1."""
+        return progress(self.task, self.found)[2] / self.task.question.count(" of ")
 
     def _finish(self, stop, answer, turn_ok=True):
         s, ok, reason = score_episode(answer, self.task.golds, self.turns, self.require_think, self.cut)
         scored = ok and stop == "answer"
         success = scored and s["em_count"] == s["k"]  # every objective right AND a valid format
-        hop_share = progress(self.task, self.found)[2] / self.task.question.count(" of ")  # one hop per ' of '
+        hop_share = self.hop_share()
         reward = (answer_reward(s, self.answer_reward) + self.complete_bonus * success
                   + self.hop_reward * hop_share) if scored else 0.0
         known = [q for q in self.quality if q is not None]

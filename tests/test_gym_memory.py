@@ -391,7 +391,9 @@ def test_hop_reward_pays_the_question_hops_found_in_order():
                                    (["nobody married to"] + s1[:1], "wrong ; wrong", 0, 1)]:
         env.reset(t)
         for q in done:
-            assert not env.step(f"m </mem> <search> {q} </search>")[2]
+            _, _, over, info = env.step(f"m </mem> <search> {q} </search>")
+            assert not over
+        assert not done or info["hop_share"] == hops / 5  # an episode the rollout cuts here keeps its share
         _, r, finished, info = env.step(f"m </mem> <answer> {answer} </answer>")
         assert finished and r == pytest.approx(em + hops / 5) and info["hop_share"] == hops / 5
         assert g.progress(t, env.found)[2] == hops

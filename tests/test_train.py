@@ -274,11 +274,12 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
         assert rows == ([w + 3 * full for w in want] if keep == 1 else [3] * 4)
 
 
-def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch):
+def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch, capsys):
     """sft_coef (PPO-ptx): with no advantage anywhere, an update given scripted episodes takes exactly
-    one step, the one AdamW takes on sft_coef x warm_start_loss of warmstart_batch_size episodes drawn
-    with the update's rng after its shuffles, and logs that loss (before the step) as sft_loss; without
-    scripted episodes it takes none. sft_coef without scripted episodes to draw is refused."""
+    one step, the one SGD takes on sft_coef x warm_start_loss of warmstart_batch_size episodes drawn
+    with their own rng (the update's draws as without them), and logs that loss (before the step) as
+    sft_loss; without scripted episodes it takes none. sft_coef without scripted episodes to draw, or
+    on a gym without a scripted policy, is refused before anything runs."""
     import train as T
     cfg = T.load_config(['config/tiny_mem.yaml', '--warmstart_episodes=6', '--train_tasks=20', '--sft_coef=0.5',
                          '--warmstart_batch_size=2', '--mini_batches=2', '--group_size=3', '--batch_size=2', '--grad_clip=0',
@@ -287,25 +288,30 @@ def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch):
     model = T.load_policy(cfg, g['tok'].vocab_size)
     scripted = T.scripted_episodes(g, cfg, random.Random(0))
     batch = scripted['batch']  # the scripted episodes as an RL batch whose advantages are all 0
+    scripted['rng'] = random.Random(1)
     adv = torch.zeros_like(batch['action_mask'])
     n = len(batch['rewards'])
+    states = []  # the update's rng after it: scripted episodes are drawn with their own (RL's draws stay)
     for given in (None, scripted):
-        m, expected = copy.deepcopy(model), copy.deepcopy(model)
+        m, expected, rng = copy.deepcopy(model), copy.deepcopy(model), random.Random(0)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)  # SGD: the step shows sft_coef (Adam's first step would not)
-        out = T.ppo_update(m, opt, batch, adv, None, cfg, random.Random(0), scripted=given)
+        out = T.ppo_update(m, opt, batch, adv, None, cfg, rng, scripted=given)
+        states.append(rng.getstate())
         moved = any(not torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
         assert moved == (given is not None) and ('sft_loss' in out) == (given is not None)
-    rng = random.Random(0)  # replay: the shuffles of every epoch, then the draw
-    for _ in range(cfg['ppo_epochs']):
-        rng.shuffle(list(range(n)))
+    assert states[0] == states[1]
     T.update_mode(expected)
-    loss = T.warm_start_loss(expected, batch, T.draw_episodes(scripted, 2, rng), cfg)
+    loss = T.warm_start_loss(expected, batch, T.draw_episodes(scripted, 2, random.Random(1)), cfg)
     (0.5 * loss).backward()
     torch.optim.SGD(expected.parameters(), lr=0.1).step()
     assert out['sft_loss'] == pytest.approx(loss.item(), rel=1e-6)
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(m.parameters(), expected.parameters()))
     with pytest.raises(SystemExit):
         T.load_config(['config/tiny_mem.yaml', '--sft_coef=0.5', '--warmstart_episodes=0'])
+    monkeypatch.setattr(gm, 'setup', lambda cfg, vocab=None, real=gm.setup: dict(real(cfg, vocab), warm_policy=None))
+    with pytest.raises(SystemExit, match='2'):
+        load_gym(cfg)
+    assert "config key 'sft_coef' imitates the gym's scripted policy; gym 'memory' has none" in capsys.readouterr().err
 
 
 def test_memory_gym_run_logs_mempo_metrics_per_objective_count(tmp_path):
