@@ -114,9 +114,9 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     shuffled alike on every rank with global normalisers, so N ranks take the step of one process.
     scripted (scripted_episodes and an rng of their own, with sft_coef > 0): the first mini-batch's
     gradient also gets sft_coef x the warm start's imitation loss on warmstart_batch_size scripted
-    episodes drawn with scripted['rng']
-    (PPO-ptx: Ouyang et al. 2022, "Training language models to follow instructions", §3.5), logged as
-    sft_loss (nats per policy token, before the step). Returns a dict of metrics."""
+    episodes drawn with scripted['rng'] (PPO-ptx: Ouyang et al. 2022, "Training language models to
+    follow instructions", §3.5), logged as sft_loss (nats per policy token, before the step).
+    Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
     mask = batch['action_mask'] * batch['valid'][batch['row_episode']][:, None]  # [R, T-1]; invalid episodes weigh 0
