@@ -402,6 +402,10 @@ def test_hop_reward_pays_the_question_hops_found_in_order():
     for q in s1 + s2:
         env.step(f"m </mem> <search> {q} </search>")
     assert env.step(f"m </mem> <answer> {' ; '.join(golds)} </answer>")[1] == 0.0
+    env.reset(t)  # every hop found, then out of turns (the gym's budget, 2 + 5): a truncated episode earns 0
+    steps = [env.step(f"m </mem> <search> {q} </search>") for q in (s1 + s2 + s2)[:env.budget]]
+    assert steps[-1][2] and steps[-1][3]["stop"] == "max_turns" and steps[-1][3]["hop_share"] == 1.0
+    assert steps[-1][1] == 0.0
     with pytest.raises(SystemExit):
         load_config(["config/tiny_mem.yaml", "--hop_reward=-1"])
 
