@@ -94,6 +94,7 @@ config = dict(
     kl_coef=0.0,                 # weight of the KL penalty to the frozen reference (the policy after the warm start)
     sft_coef=0.0,                # PPO-ptx: weight of the warm start's imitation loss on scripted episodes, added to each
                                  # RL step's first mini-batch (train.py ppo_update); 0 = off
+    sft_batch_size=3,            # PPO-ptx: scripted episodes (with all their rows) imitated per RL step
     kl_type='k3',                # k1 | k2 | k3
     loss_agg='token-mean',       # token-mean | seq-mean | drgrpo
     adv_std=True,                # divide by the group std (False: Dr.GRPO's r - mean)
@@ -279,7 +280,7 @@ RANGES = dict(
     **{k: (1, None) for k in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns',
                               'max_response_tokens', 'max_len', 'n_layer', 'n_head', 'n_embd', 'eval_samples',
                               'warmstart_batch_size', 'keep_checkpoints', 'max_tokens_per_microbatch', 'max_bad_steps',
-                              'train_variants')},
+                              'train_variants', 'sft_batch_size')},
     **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
                               'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
                               'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',

@@ -113,7 +113,7 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     Data parallel: episode_ids [N] index this rank's episodes in the global batch of n_global,
     shuffled alike on every rank with global normalisers, so N ranks take the step of one process.
     scripted (scripted_episodes and an rng of their own, with sft_coef > 0): the first mini-batch's
-    gradient also gets sft_coef x the warm start's imitation loss on warmstart_batch_size scripted
+    gradient also gets sft_coef x the warm start's imitation loss on sft_batch_size scripted
     episodes drawn with scripted['rng'] (PPO-ptx: Ouyang et al. 2022, "Training language models to
     follow instructions", §3.5), logged as sft_loss (nats per policy token, before the step).
     Returns a dict of metrics."""
@@ -152,7 +152,7 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         total = all_reduce(minibatch_loss(model, batch, rows[keep], mask, w[keep], adv, old, ref_logp, cfg, signal, sums,
                                           m if first else None, mask_t if first and cfg['tis_cap'] else None))
         if first and scripted is not None:  # PPO-ptx: keep imitating the scripted policy (docstring)
-            sft_loss = warm_start_loss(model, scripted['batch'], draw_episodes(scripted, cfg['warmstart_batch_size'],
+            sft_loss = warm_start_loss(model, scripted['batch'], draw_episodes(scripted, cfg['sft_batch_size'],
                                                                                scripted['rng']), cfg)
             (cfg['sft_coef'] / world_size() * sft_loss).backward()  # every rank draws the same: summed once
             m['sft_loss'], signal = sft_loss.item(), True

@@ -276,13 +276,13 @@ def test_warm_start_batches_whole_episodes(monkeypatch):
 
 def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch, capsys):
     """sft_coef (PPO-ptx): with no advantage anywhere, an update given scripted episodes takes exactly
-    one step, the one SGD takes on sft_coef x warm_start_loss of warmstart_batch_size episodes drawn
+    one step, the one SGD takes on sft_coef x warm_start_loss of sft_batch_size episodes drawn
     with their own rng (the update's draws as without them), and logs that loss (before the step) as
     sft_loss; without scripted episodes it takes none. sft_coef without scripted episodes to draw, or
     on a gym without a scripted policy, is refused before anything runs."""
     import train as T
     cfg = T.load_config(['config/tiny_mem.yaml', '--warmstart_episodes=6', '--train_tasks=20', '--sft_coef=0.5',
-                         '--warmstart_batch_size=2', '--mini_batches=2', '--group_size=3', '--batch_size=2', '--grad_clip=0',
+                         '--warmstart_batch_size=4', '--sft_batch_size=2', '--mini_batches=2', '--group_size=3', '--batch_size=2', '--grad_clip=0',
                          '--device=cpu'])
     g = load_gym(cfg)
     model = T.load_policy(cfg, g['tok'].vocab_size)
