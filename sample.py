@@ -463,7 +463,8 @@ def main_eval(opts, rest):
                   temperature={'sampled': cfg['temperature'], 'greedy': 0.0}.get(decoding), split=opts['split'],
                   tasks=numbers['episodes'] // samples,
                   samples=samples, **numbers, wall_s=round(time.time() - t0, 1))
-    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok']
+    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok',
+            'hop_share']
     names = dict(tt='tokens processed per episode (tt)', pt='peak context (pt)')  # the JSON keeps the short keys
     print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {samples}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "

@@ -435,6 +435,7 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     assert '\r' not in out.err  # no progress bar in a stderr that is not a terminal (a log file)
     assert numbers['episodes'] == 12 and numbers['em'] == numbers['success_rate'] == numbers['format_ok'] == 1.0
     assert numbers['truncation_rate'] == 0.0 and numbers['pt_k3'] < numbers['ht_k3'] and numbers['em_k3'] == 1.0
+    assert numbers['hop_share'] == 1.0 and out.out.rstrip().splitlines()[-2].endswith(', hop_share 1.000')  # every hop, in order
     assert not os.path.exists(tmp_path / 'config.json')  # a look, not a run
     assert numbers['decoding'] == 'scripted' and numbers['temperature'] is None
     saved = json.loads((tmp_path / 'eval.json').read_text())  # the numbers, and each episode's outcome by task
