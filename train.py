@@ -293,20 +293,21 @@ def warm_start_loss(model, batch, idx, cfg):
     return nll / batch['action_mask'][idx].sum().clamp(min=1).to(cfg['device'])
 
 
-def scripted_episodes(gym_, cfg, rng):
+def scripted_episodes(gym_, cfg, rng, what='warm start'):
     """warmstart_episodes episodes of the gym's scripted policy on training tasks drawn with rng, rolled
-    out by the same code as RL and collated (warmstart_full adds each folded episode's full-history row).
+    out by the same code as RL and collated (warmstart_full adds each folded episode's full-history row);
+    what (the warm start, PPO-ptx) names them in warnings.
     Returns dict(batch=collate(...), rows=[the batch rows of each episode]); episodes the env made
     invalid are left out. Raises what run_tasks raises (OutOfVocabulary, GymContractError)."""
     n = cfg['warmstart_episodes']
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
     trajs = run_tasks(policies, gym_, cfg, tasks)
-    check_invalid(trajs, 'warm start')
+    check_invalid(trajs, what)
     cut = sum(u['finish'] == 'length' and u['train'] for t in trajs for u in t.turns)
     if cut and rank() == 0:  # the policy would learn a turn that never ends
-        print(f"warning: warm start: {cut} of {sum(len(t.turns) for t in trajs)} scripted turns are cut at max_response_"
-              f"tokens={cfg['max_response_tokens']}; raise it so the warm start imitates whole turns", file=sys.stderr)
+        print(f"warning: {what}: {cut} of {sum(len(t.turns) for t in trajs)} scripted turns are cut at max_response_"
+              f"tokens={cfg['max_response_tokens']}; raise it so the {what} imitates whole turns", file=sys.stderr)
     trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
     for t in trajs if cfg['warmstart_full'] and cfg['keep_tool_results'] != 'all' else []:
         t.rows.append(full_history_row(t, cfg['max_len']))  # also read the un-folded history (MemPO's P_full)
@@ -453,7 +454,8 @@ def main(argv):
                             weight_decay=cfg['weight_decay'])
     start, ref_model = begin(cfg, model, opt, gym_, rng, gen, ckpt)
     # PPO-ptx's scripted episodes: their own draw, so RL's task draws are those of a run without them
-    scripted = scripted_episodes(gym_, cfg, random.Random(f"sft:{cfg['seed']}")) if cfg['sft_coef'] else None
+    scripted = scripted_episodes(gym_, cfg, random.Random(f"sft:{cfg['seed']}"), 'PPO-ptx') \
+        if cfg['sft_coef'] and start < cfg['steps'] else None
     bad_steps = 0
     for step in report.progress(range(start + 1, cfg['steps'] + 1), 'RL', cfg, initial=start, total=cfg['steps'],
                                 show=master):

@@ -601,7 +601,7 @@ def test_format_metrics_count_malformed_turns_and_episodes():
     assert m['turn_format_ok'] == pytest.approx(1 - len(tasks) / turns) and m['format_ok'] == 0.0
 
 
-def test_warm_start_says_when_scripted_turns_are_cut(tmp_path):
+def test_warm_start_says_when_scripted_turns_are_cut(tmp_path, capsys):
     """A max_response_tokens below the scripted policy's turns would teach turns that never end: one warning."""
     args = ['config/tiny_mem.yaml', '--steps=0', '--warmstart_steps=1', '--warmstart_episodes=4', '--eval_tasks=2',
             '--train_tasks=20', '--threads=1', '--n_embd=32']
@@ -612,6 +612,11 @@ def test_warm_start_says_when_scripted_turns_are_cut(tmp_path):
                    timeout=300)
     warned = [line for line in p.stderr.splitlines() if line.startswith('warning: warm start:')]
     assert p.returncode == 0 and len(warned) == 1 and 'scripted turns are cut at max_response_tokens=6' in warned[0]
+    import train as T  # PPO-ptx's own scripted episodes say whose they are
+    cfg = T.load_config([*args, '--max_response_tokens=6', '--sft_coef=1'])
+    T.scripted_episodes(load_gym(cfg), cfg, random.Random(0), 'PPO-ptx')
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and warned[0].startswith('warning: PPO-ptx: ') and 'so the PPO-ptx imitates' in warned[0]
 
 
 def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, capsys):
