@@ -115,7 +115,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     scripted (scripted_episodes and an rng of their own, with sft_coef > 0): the first mini-batch's
     gradient also gets sft_coef x the warm start's imitation loss on sft_batch_size scripted
     episodes drawn with scripted['rng'] (PPO-ptx: Ouyang et al. 2022, "Training language models to
-    follow instructions", §3.5), logged as sft_loss (nats per policy token, before the step).
+    follow instructions", §3.5), logged as sft_loss (nats per policy token, before the step) and
+    sft_time_s (its forward and backward, seconds; part of the update's time).
     Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
@@ -152,10 +153,11 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
         total = all_reduce(minibatch_loss(model, batch, rows[keep], mask, w[keep], adv, old, ref_logp, cfg, signal, sums,
                                           m if first else None, mask_t if first and cfg['tis_cap'] else None))
         if first and scripted is not None:  # PPO-ptx: keep imitating the scripted policy (docstring)
+            t0 = time.time()
             sft_loss = warm_start_loss(model, scripted['batch'], draw_episodes(scripted, cfg['sft_batch_size'],
                                                                                scripted['rng']), cfg)
             (cfg['sft_coef'] / world_size() * sft_loss).backward()  # every rank draws the same: summed once
-            m['sft_loss'], signal = sft_loss.item(), True
+            m['sft_loss'], m['sft_time_s'], signal = sft_loss.item(), time.time() - t0, True
         if first and cfg['tis_cap']:  # every old log-prob known: weight each token for the sampler's
             tis = tis_weights(old, batch['sample_logp'], mask_t, cfg['tis_cap'])
             adv = adv * tis  # a positive weight on the clipped surrogate, the KL term untouched

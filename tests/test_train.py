@@ -298,7 +298,7 @@ def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch, caps
         out = T.ppo_update(m, opt, batch, adv, None, cfg, rng, scripted=given)
         states.append(rng.getstate())
         moved = any(not torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
-        assert moved == (given is not None) and ('sft_loss' in out) == (given is not None)
+        assert moved == (given is not None) and ('sft_loss' in out) == ('sft_time_s' in out) == (given is not None)
     assert states[0] == states[1]
     T.update_mode(expected)
     loss = T.warm_start_loss(expected, batch, T.draw_episodes(scripted, 2, random.Random(1)), cfg)
