@@ -282,8 +282,8 @@ def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch, caps
     on a gym without a scripted policy, is refused before anything runs."""
     import train as T
     cfg = T.load_config(['config/tiny_mem.yaml', '--warmstart_episodes=6', '--train_tasks=20', '--sft_coef=0.5',
-                         '--warmstart_batch_size=4', '--sft_batch_size=2', '--mini_batches=2', '--group_size=3', '--batch_size=2', '--grad_clip=0',
-                         '--device=cpu'])
+                         '--warmstart_batch_size=4', '--sft_batch_size=2', '--mini_batches=2', '--group_size=3',
+                         '--batch_size=2', '--grad_clip=0', '--device=cpu'])
     g = load_gym(cfg)
     model = T.load_policy(cfg, g['tok'].vocab_size)
     scripted = T.scripted_episodes(g, cfg, random.Random(0))
