@@ -330,7 +330,8 @@ def check_combinations(cfg, defaults):
         (cfg['min_lr'] > cfg['lr'], ('min_lr', 'lr'),
          f"config key 'min_lr' ({cfg['min_lr']!r}) must not exceed lr ({cfg['lr']!r}); a negative min_lr keeps lr constant"),
         (cfg['sft_coef'] and not cfg['warmstart_episodes'], ('sft_coef', 'warmstart_episodes'),
-         f"config key 'sft_coef' ({cfg['sft_coef']!r}) imitates the warm start's scripted episodes; warmstart_episodes is 0"),
+         f"config key 'sft_coef' ({cfg['sft_coef']!r}) imitates the warm start's scripted episodes; warmstart_episodes is 0 "
+         f"(set it > 0, or sft_coef: 0)"),
         (cfg['lora_alpha'] <= 0, 'lora_alpha', f"config key 'lora_alpha' must be > 0, got {cfg['lora_alpha']!r}"),
         (0 < cfg['tis_cap'] < 1, 'tis_cap',  # min(w, C) with C < 1: a smaller step, not a correction
          f"config key 'tis_cap' must be 0 (off) or >= 1 (e.g. 2), got {cfg['tis_cap']!r}: "

@@ -116,7 +116,8 @@ def ppo_update(model, opt, batch, adv, ref_logp, cfg, rng, episode_ids=None, n_g
     gradient also gets sft_coef x the warm start's imitation loss on sft_batch_size scripted
     episodes drawn with scripted['rng'] (PPO-ptx: Ouyang et al. 2022, "Training language models to
     follow instructions", §3.5), logged as sft_loss (nats per policy token, before the step) and
-    sft_time_s (its forward and backward, seconds; part of the update's time).
+    sft_time_s (its forward and backward, seconds; part of the update's time, which also counts the
+    optimizer step a first mini-batch without RL signal then takes).
     Returns a dict of metrics."""
     episode_ids = torch.arange(len(batch['rewards'])) if episode_ids is None else episode_ids
     n_global = n_global or len(batch['rewards'])
@@ -309,7 +310,7 @@ def scripted_episodes(gym_, cfg, rng, what='warm start'):
     cut = sum(u['finish'] == 'length' and u['train'] for t in trajs for u in t.turns)
     if cut and rank() == 0:  # the policy would learn a turn that never ends
         print(f"warning: {what}: {cut} of {sum(len(t.turns) for t in trajs)} scripted turns are cut at max_response_"
-              f"tokens={cfg['max_response_tokens']}; raise it so the {what} imitates whole turns", file=sys.stderr)
+              f"tokens={cfg['max_response_tokens']}; raise it so that whole turns are imitated", file=sys.stderr)
     trajs = [t for t in trajs if t.valid]  # as in RL, an invalid episode (the env raised) is not trained on
     for t in trajs if cfg['warmstart_full'] and cfg['keep_tool_results'] != 'all' else []:
         t.rows.append(full_history_row(t, cfg['max_len']))  # also read the un-folded history (MemPO's P_full)
@@ -456,7 +457,7 @@ def main(argv):
                             weight_decay=cfg['weight_decay'])
     start, ref_model = begin(cfg, model, opt, gym_, rng, gen, ckpt)
     # PPO-ptx's scripted episodes: their own draw, so RL's task draws are those of a run without them
-    scripted = scripted_episodes(gym_, cfg, random.Random(f"sft:{cfg['seed']}"), 'PPO-ptx') \
+    scripted = scripted_episodes(gym_, cfg, random.Random(f"sft:{cfg['seed']}"), 'PPO-ptx (sft_coef)') \
         if cfg['sft_coef'] and start < cfg['steps'] else None
     bad_steps = 0
     for step in report.progress(range(start + 1, cfg['steps'] + 1), 'RL', cfg, initial=start, total=cfg['steps'],

@@ -308,6 +308,7 @@ def test_ppo_ptx_steps_on_the_scripted_episodes_imitation_loss(monkeypatch, caps
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(m.parameters(), expected.parameters()))
     with pytest.raises(SystemExit):
         T.load_config(['config/tiny_mem.yaml', '--sft_coef=0.5', '--warmstart_episodes=0'])
+    assert 'warmstart_episodes is 0 (set it > 0, or sft_coef: 0)' in capsys.readouterr().err
     monkeypatch.setattr(gm, 'setup', lambda cfg, vocab=None, real=gm.setup: dict(real(cfg, vocab), warm_policy=None))
     with pytest.raises(SystemExit, match='2'):
         load_gym(cfg)
@@ -614,9 +615,9 @@ def test_warm_start_says_when_scripted_turns_are_cut(tmp_path, capsys):
     assert p.returncode == 0 and len(warned) == 1 and 'scripted turns are cut at max_response_tokens=6' in warned[0]
     import train as T  # PPO-ptx's own scripted episodes say whose they are
     cfg = T.load_config([*args, '--max_response_tokens=6', '--sft_coef=1'])
-    T.scripted_episodes(load_gym(cfg), cfg, random.Random(0), 'PPO-ptx')
+    T.scripted_episodes(load_gym(cfg), cfg, random.Random(0), 'PPO-ptx (sft_coef)')
     warned = capsys.readouterr().err.splitlines()
-    assert len(warned) == 1 and warned[0].startswith('warning: PPO-ptx: ') and 'so the PPO-ptx imitates' in warned[0]
+    assert len(warned) == 1 and warned[0].startswith('warning: PPO-ptx (sft_coef): ') and 'whole turns are imitated' in warned[0]
 
 
 def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, capsys):
