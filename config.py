@@ -275,6 +275,17 @@ def load_config(argv, defaults=config):
     return cfg
 
 
+def load_saved_config(argv, saved):
+    """A run's saved config (its config.json or a checkpoint's) with argv (YAML files, --key=value) on
+    top, as load_config merges them onto the defaults: what the run did, unless argv says otherwise.
+    A run trained with more threads than this machine has cores gets all of them (a note says so);
+    resume and overwrite say how a run was started, not what it is, and come from argv alone."""
+    saved, cores = {k: v for k, v in saved.items() if k not in ('resume', 'overwrite')}, os.cpu_count() or 1
+    if saved.get('threads', 0) > cores:
+        print(f"note: the run used threads={saved['threads']}; this machine has {cores} cores, so {cores}")
+        saved['threads'] = cores
+    return load_config(argv, dict(config, **saved))
+
 # key -> (lowest, highest) (None: no upper bound), or (lowest, highest, what it is): then closed at the top
 RANGES = dict(
     **{k: (1, None) for k in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns',

@@ -242,6 +242,15 @@ def read_run_config(out_dir):
     return saved
 
 
+def saved_config(out_dir):
+    """out_dir/config.json as a dict, {} when there is none; exits 2 with read_run_config's one line
+    when it is not a readable config."""
+    try:
+        return read_run_config(out_dir) or {}
+    except ValueError as e:
+        fail(str(e))
+
+
 def write_config(cfg):
     """out_dir/config.json: the config this run trains with (sample.py --untrained reads it), written
     to a temporary file and renamed, so a run killed mid-write leaves the old file or the new one."""

@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import TRAINING_KEYS, config, fail, load_config, parse_options, resolve_dtype
+from config import TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, resolve_dtype
 from gym import OWNER, load_gym
 from model import load_policy
 from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
@@ -310,16 +310,6 @@ def parse_args(argv, defaults=OPTIONS):
     return opts, rest
 
 
-def run_config(rest, saved):
-    """A run's saved config with argv (rest) on top. A run trained with more threads than this machine
-    has cores is looked at with all of them (a note says so) rather than refused."""
-    saved, cores = dict(saved), os.cpu_count() or 1
-    if saved.get('threads', 0) > cores:
-        print(f"note: the run used threads={saved['threads']}; this machine has {cores} cores, so {cores}")
-        saved['threads'] = cores
-    return load_config(rest, dict(config, **saved))
-
-
 def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     """(cfg, gym_, model, description) for train.py config arguments `rest` (YAML files, --key=value):
     the newest checkpoint in cfg['out_dir'] (or the file `ckpt`), built from the checkpoint's own
@@ -333,12 +323,8 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     the checkpoint, None without one."""
     untrained = untrained or scripted
     cfg = load_config(rest)
-    try:
-        saved = report.read_run_config(cfg['out_dir']) if untrained else None
-    except ValueError as e:
-        fail(str(e))
-    if saved is not None:  # the run's gym and model, before its training
-        cfg = run_config(rest, saved)
+    if untrained:  # the run's gym and model, before its training
+        cfg = load_saved_config(rest, report.saved_config(cfg['out_dir']))
     state, path = None, None
     if ckpt:
         try:
@@ -350,7 +336,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
-        cfg = run_config(rest, state['config'])
+        cfg = load_saved_config(rest, state['config'])
         for key in ('gym', 'model'):  # the weights (and a tiny model's vocabulary) belong to these
             if cfg[key] != state['config'][key]:
                 fail(f"{path} was trained with {key} {state['config'][key]!r}, not {cfg[key]!r} "

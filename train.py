@@ -27,7 +27,7 @@ import torch
 
 import report
 from advantage import compute_advantages, keep_groups_with_signal, tis_weights
-from config import all_reduce, check_run, config, fail, gather, init_distributed, load_config, rank, sync_gradients, world_size  # noqa: F401
+from config import all_reduce, check_run, config, fail, gather, init_distributed, load_config, load_saved_config, rank, sync_gradients, world_size  # noqa: F401
 from gym import GymContractError, OutOfVocabulary, load_gym
 from model import (autocast, batch_log_probs, batch_rows, fold_lora, is_reference, load_policy, merged, micro_batches,
                    peak_memory_gb, reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
@@ -448,6 +448,8 @@ def begin(cfg, model, opt, gym_, rng, gen, ckpt):
 def main(argv):
     t_start = time.time()
     cfg = load_config(argv)
+    if cfg['resume']:  # the run's own settings, with what argv sets on top (check_out_dir warns of those)
+        cfg = load_saved_config(argv, report.saved_config(cfg['out_dir']))
     ddp = init_distributed(cfg)
     master = rank() == 0
     check_run(cfg, master)  # the device, the gym's name and keys: one line, before anything is made

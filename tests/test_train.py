@@ -624,12 +624,19 @@ def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, cap
     import train as T
     args = ['config/example.yaml', '--warmstart_episodes=8', '--warmstart_steps=2', '--eval_tasks=2', '--eval_samples=1',
             '--batch_size=2', '--group_size=2', f'--out_dir={tmp_path}']
-    T.main(args + ['--steps=1'])
+    T.main(args + ['--steps=1', '--overwrite=True'])  # how a run started is not one of its settings
     capsys.readouterr()
     T.main(args + ['--steps=2', '--resume=True', '--lr=5e-4', '--eval_every=1'])
     err = capsys.readouterr().err
     assert 'the run goes on with settings other than its checkpoint' in err and 'lr 0.0003 there, 0.0005 here' in err
     assert 'eval_every' not in err and 'steps' not in err  # run keys change freely
+    T.main([f'--out_dir={tmp_path}', '--steps=3', '--resume'])  # no config file: the run's own settings go on
+    assert 'settings other than' not in capsys.readouterr().err
+    with open(tmp_path / 'metrics.jsonl') as f:
+        assert [json.loads(line)['step'] for line in f] == [0, 1, 2, 3]
+    with open(tmp_path / 'config.json') as f:
+        saved = json.load(f)
+    assert (saved['gym'], saved['group_size'], saved['lr'], saved['resume']) == ('example', 2, 5e-4, True)
 
 
 def rss_gb():
