@@ -343,7 +343,7 @@ def dump_rollout(path, trajs, batch, adv, cfg, step):
 PANELS = [  # (title, metrics.jsonl keys, log scale); eval_baseline_* are drawn dashed on held-out success
     ('train reward / success', ['reward_mean', 'success_rate'], False),
     ('held-out success', ['eval_success_rate', 'eval_greedy_success'], False),
-    ('KL to reference', ['kl'], False),
+    ('held to the warm start: KL, sft_loss', ['kl', 'sft_loss'], False),  # sft_loss: PPO-ptx (sft_coef > 0)
     ('entropy (nats / policy token)', ['entropy'], False),
     ('clip fraction', ['clip_frac'], False),
     ('truncation rate', ['truncation_rate', 'eval_truncation_rate'], False),
