@@ -286,6 +286,7 @@ def load_saved_config(argv, saved):
         saved['threads'] = cores
     return load_config(argv, dict(config, **saved))
 
+
 # key -> (lowest, highest) (None: no upper bound), or (lowest, highest, what it is): then closed at the top
 RANGES = dict(
     **{k: (1, None) for k in ('log_every', 'batch_size', 'group_size', 'mini_batches', 'ppo_epochs', 'max_turns',
