@@ -279,11 +279,19 @@ def load_saved_config(argv, saved):
     """A run's saved config (its config.json or a checkpoint's) with argv (YAML files, --key=value) on
     top, as load_config merges them onto the defaults: what the run did, unless argv says otherwise.
     A run trained with more threads than this machine has cores gets all of them (a note says so);
-    resume and overwrite say how a run was started, not what it is, and come from argv alone."""
+    resume and overwrite say how a run was started, not what it is, and come from argv alone. When argv
+    names a gym or model other than the saved one, it is argv on the defaults and the saved gym and model
+    (the caller refuses the mismatch by name, rather than a saved key of the other gym failing first)."""
     saved, cores = {k: v for k, v in saved.items() if k not in ('resume', 'overwrite')}, os.cpu_count() or 1
     if saved.get('threads', 0) > cores:
         print(f"note: the run used threads={saved['threads']}; this machine has {cores} cores, so {cores}")
         saved['threads'] = cores
+    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    given |= {k for a in argv if not a.startswith('-') for k in read_config_file(a, argv)}
+    if given & {'gym', 'model'}:  # another gym or model is another run: argv alone, and the caller names the difference
+        own = load_config(argv, dict(config, **{k: saved[k] for k in ('gym', 'model') if k in saved and k not in given}))
+        if any(own[k] != saved.get(k, own[k]) for k in ('gym', 'model')):
+            return own
     return load_config(argv, dict(config, **saved))
 
 

@@ -323,8 +323,9 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     the checkpoint, None without one."""
     untrained = untrained or scripted
     cfg = load_config(rest)
-    if untrained:  # the run's gym and model, before its training
-        cfg = load_saved_config(rest, report.saved_config(cfg['out_dir']))
+    saved = report.saved_config(cfg['out_dir']) if untrained else {}
+    if saved:  # the run's gym and model, before its training
+        cfg = load_saved_config(rest, saved)
     state, path = None, None
     if ckpt:
         try:
