@@ -152,6 +152,21 @@ def test_config_order_defaults_file_cli(tmp_path):
     assert load_config(['--resume'])['resume'] is True and load_config(['--resume', '--resume=false'])['resume'] is False
 
 
+def test_saved_config_is_the_base_and_argv_goes_on_top(tmp_path):
+    from config import load_saved_config
+    saved = dict(config, gym='memory', max_objectives=3, seed=5, steps=40, resume=False, overwrite=True)
+    cfg = load_saved_config(['--resume'], saved)  # a bare resume: the run's own settings
+    assert (cfg['gym'], cfg['max_objectives'], cfg['seed'], cfg['resume'], cfg['overwrite']) == ('memory', 3, 5, True, False)
+    assert load_saved_config(['--steps=60'], saved)['steps'] == 60 and load_saved_config(['--gym=memory'], saved)['seed'] == 5
+    f = tmp_path / 'b.yaml'
+    f.write_text('gym: bugfix\n')
+    for argv in (['--gym=bugfix'], [str(f)]):  # another gym: argv alone (the saved memory key would fail first)
+        cfg = load_saved_config(argv, saved)
+        assert cfg['gym'] == 'bugfix' and cfg['max_objectives'] == config['max_objectives'] and cfg['seed'] == config['seed']
+    cfg = load_saved_config(['--model=tiny-qwen3'], dict(saved, max_objectives=config['max_objectives']))
+    assert (cfg['gym'], cfg['model']) == ('memory', 'tiny-qwen3')  # another model: the saved gym stays, so the caller names the model
+
+
 def test_bare_bool_flag_is_not_taken_for_a_flag_missing_its_value(capsys):
     with pytest.raises(SystemExit):
         load_config(['--resume', 'no/such/run'])  # not "--resume=no/such/run": a bare --resume is whole
