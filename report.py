@@ -170,6 +170,8 @@ def check_out_dir(cfg, master=True):
     metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
     keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank') + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
     differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
+    if {'gym', 'model'} & set(differ):  # another gym or model: that is the reason (its other keys came from the defaults)
+        differ = [k for k in differ if k in ('gym', 'model')]
     if differ:
         fail(f"--resume=True: {cfg['out_dir']} was trained with "
              + ', '.join(f"{k} {state['config'][k]!r}, not {cfg[k]!r}" for k in differ)

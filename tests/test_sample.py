@@ -488,8 +488,9 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     model = train.load_policy(cfg, gym_['tok'].vocab_size)
     logged = train.evaluate(model, gym_, cfg, 7)
     (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **logged)) + '\n')
-    for step in (5, 7):
-        report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=step, config=cfg), str(tmp_path), step, 5)
+    for step in (5, 7):  # step 7 as a resumed run saves it: resume is how it started, not how it evaluates
+        report.save_checkpoint(dict(model=model.state_dict(), optimizer={}, step=step, config=dict(cfg, resume=step == 7)),
+                               str(tmp_path), step, 5)
     ckpt = f'--ckpt={tmp_path / "ckpt_000007.pt"}'
     capsys.readouterr()
     same = sample.main([ckpt, '--eval', '--show=0', '--sampled'])['logged']
