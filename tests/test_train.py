@@ -192,7 +192,8 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, four_steps, tmp_pa
     # the corrupt file is kept under another name, out of the rotation: the good checkpoints stay
     assert f'{newest} did not load; renamed to ckpt_000004.pt.corrupt' in p.stdout
     assert (tmp_path / 'ckpt_000004.pt.corrupt').read_bytes() == corrupt
-    assert sorted(c.name for c in tmp_path.glob('ckpt_*.pt')) == ['ckpt_000000.pt', 'ckpt_000005.pt', 'ckpt_000006.pt']
+    assert sorted(c.name for c in tmp_path.glob('ckpt_*.pt')) == [  # the run's own keep_checkpoints=3, and step 0
+        'ckpt_000000.pt', 'ckpt_000004.pt', 'ckpt_000005.pt', 'ckpt_000006.pt']
     (tmp_path / 'ckpt_best.pt').write_bytes(b'mine')  # a user's file of a similar name is never ours to remove
     train(tmp_path, '--steps=1', '--overwrite=True')
     assert (tmp_path / 'ckpt_best.pt').read_bytes() == b'mine'
