@@ -275,6 +275,9 @@ def load_config(argv, defaults=config):
     return cfg
 
 
+START_KEYS = ('resume', 'overwrite')  # how a run was started, not what it is: never taken from a saved config
+
+
 def load_saved_config(argv, saved):
     """A run's saved config (its config.json or a checkpoint's) with argv (YAML files, --key=value) on
     top, as load_config merges them onto the defaults: what the run did, unless argv says otherwise.
@@ -282,7 +285,7 @@ def load_saved_config(argv, saved):
     resume and overwrite say how a run was started, not what it is, and come from argv alone. When argv
     names a gym or model other than the saved one, it is argv on the defaults and the saved gym and model
     (the caller refuses the mismatch by name, rather than a saved key of the other gym failing first)."""
-    saved, cores = {k: v for k, v in saved.items() if k not in ('resume', 'overwrite')}, os.cpu_count() or 1
+    saved, cores = {k: v for k, v in saved.items() if k not in START_KEYS}, os.cpu_count() or 1
     if saved.get('threads', 0) > cores:
         print(f"note: the run used threads={saved['threads']}; this machine has {cores} cores, so {cores}")
         saved['threads'] = cores

@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, resolve_dtype
+from config import START_KEYS, TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, resolve_dtype
 from gym import OWNER, load_gym
 from model import load_policy
 from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
@@ -422,7 +422,7 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
         return dict(missing=why)
     differ = [k for k, v in shared.items() if numbers[k] != v]
     settings = [f'{k} {ckpt["config"][k]!r} -> {v!r}' for k, v in cfg.items()
-                if k not in ('out_dir', 'device', 'resume', 'overwrite') and k in ckpt['config'] and ckpt['config'][k] != v]
+                if k not in ('out_dir', 'device', *START_KEYS) and k in ckpt['config'] and ckpt['config'][k] != v]
     if batch != EVAL_EPISODES_PER_BATCH:
         settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')
     keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]
