@@ -63,6 +63,8 @@ config = dict(
     max_objectives=4,            # gym memory: training questions have 1..max_objectives parts, held-out one more
     oracle_forget=0.0,           # gym memory: chance the warm-start oracle forgets an answer in <mem> (the lossy set-up)
     oracle_detour=0.0,           # gym memory: chance a warm-start episode makes one wrong search, then recovers
+    oracle_stuck=0.0,            # gym memory: chance a warm-start episode repeats a wrong search to its last turn, then
+                                 # answers what its notes hold (needs show_budget)
     show_budget=False,           # gym memory: each observation ends with 'turns left N' (under folding the policy
                                  # cannot count its turns otherwise)
     val_tasks=0,                 # gym memory, bugfix: validation tasks (their own worlds / functions), evaluated after
@@ -311,6 +313,7 @@ RANGES = dict(
                               'sft_coef')},
     oversample=(1, None),
     seed=(0, 2 ** 32), beta1=(0, 1), beta2=(0, 1), oracle_forget=(0, 1, 'a probability'), oracle_detour=(0, 1, 'a probability'),
+    oracle_stuck=(0, 1, 'a probability'),
 )
 CHOICES = dict(mem_pool=('group', 'turn'), mem_target=('answer', 'found'), mem_baseline=('full', 'none'), kl_type=('k1', 'k2', 'k3'), loss_agg=('token-mean', 'seq-mean', 'drgrpo'), dtype=('float32', 'bfloat16', 'auto'))
 

@@ -32,7 +32,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
                           score_episode, strip_end_marker)
 
 MODEL = 'any'
-KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'val_tasks',
+KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'oracle_stuck', 'val_tasks',
         'answer_reward', 'mem_target', 'show_budget', 'complete_bonus', 'hop_reward')
 
 # -----------------------------------------------------------------------------
@@ -356,19 +356,27 @@ def make_lossy_oracle(rng, p):
     return lambda question, mem, obs: oracle_policy(question, mem, obs, forget=own.random() < p)
 
 
-def with_detour(rng, p, policy):
+def with_detour(rng, p, policy, stuck=False):
     """The warm start's recovery lesson: with probability p the episode makes one wrong search (the
     pending entity with another relation, at one of its searches drawn at random), which returns
     'no result' or an unrelated fact; the next turn, policy's own, searches right. The wrong turn is
     returned as (text, False): rollout plays it and trains on none of its tokens, so the warm start
     imitates the recovery, never the mistake. The gym's budget (one turn more than the oracle needs)
-    leaves room for exactly one. rng: draws one seed, as make_lossy_oracle."""
-    own, state = random.Random(rng.random()), dict(searches=0, at=None)
+    leaves room for exactly one. rng: draws one seed, as make_lossy_oracle.
+    stuck=True, the last-turn lesson instead: the wrong search is repeated (untrained) until the
+    observation says one turn is left (show_budget's 'turns left 1'), and that turn answers what the
+    notes hold (trained; _answer_from_notes). The policy
+    being trained repeats a failed search until the budget ends; the oracle alone never shows a last turn."""
+    own, state = random.Random(rng.random()), dict(searches=0, at=None, wrong=None)
 
     def act(question, mem, obs):
         if state['at'] is None:  # first turn: one of the episode's searches (one per hop), or none
             n_searches = sum(len(q.split(" of ")) - 1 for q in question.split(" ; "))
             state['at'] = own.randrange(n_searches) if own.random() < p else -1
+        if state['wrong'] is not None:  # stuck on the wrong search: answer on the last turn
+            if _turns_left(obs) == 1:
+                return f"{mem} </mem> <answer> {_answer_from_notes(question, mem)} </answer>"
+            return f"{mem} </mem> <search> {state['wrong']} </search>", False
         text = policy(question, mem, obs)
         if "<search>" not in text:
             return text
@@ -376,9 +384,26 @@ def with_detour(rng, p, policy):
         if i != state['at']:
             return text
         query = extract_tag("<mem> " + text, "search").split()
-        wrong = own.choice([r for r in RELATIONS if r != " ".join(query[1:])])
-        return text.replace(f"<search> {' '.join(query)} </search>", f"<search> {query[0]} {wrong} </search>"), False
+        wrong = f"{query[0]} {own.choice([r for r in RELATIONS if r != ' '.join(query[1:])])}"
+        state['wrong'] = wrong if stuck else None
+        return text.replace(f"<search> {' '.join(query)} </search>", f"<search> {wrong} </search>"), False
     return act
+
+
+def _turns_left(obs):
+    """show_budget's count on the observation's last line ('turns left 3' -> 3), or None without one."""
+    last = (obs or "").split("\n")[-1].split()
+    return int(last[-1]) if " ".join(last[:-1]) == BUDGET_WORDS and last[-1].isdigit() else None
+
+
+def _answer_from_notes(question, mem):
+    """Every objective's answer as far as the notes reached it: a resolved one's answer, a pending chain's
+    current entity, else (a forgotten slot, one not opened) its root: 'castor ; acme dag married to' on
+    a three-part question -> 'castor ; dag ; <root of the third>'. Never an empty part, so always a valid answer."""
+    segs = [s.split() for s in mem.split(";")]
+    roots = [q.split()[-1] for q in question.split(" ; ")]
+    return " ; ".join(segs[i][min(1, len(segs[i]) - 1)] if i < len(segs) and segs[i] else root
+                      for i, root in enumerate(roots))
 
 
 def any_answer_policy(question, mem, obs):
@@ -478,11 +503,16 @@ def setup(cfg, vocab=None):
         tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
         # enable_thinking: no empty think block written into every turn (a <think> is optional here)
         fmt = hf.chat_format(tok, system=SYSTEM_PROMPT, enable_thinking=True, memory=True)
-    p, detour = cfg["oracle_forget"], cfg["oracle_detour"]
+    p, detour, stuck = cfg["oracle_forget"], cfg["oracle_detour"], cfg["oracle_stuck"]
+    if stuck and detour:
+        raise ValueError("config keys 'oracle_detour' and 'oracle_stuck' are each one wrong search an episode: set one of them")
+    if stuck and not cfg["show_budget"]:
+        raise ValueError("config key 'oracle_stuck' needs show_budget: true (its episodes answer when the observation "
+                         "says one turn is left)")
 
     def warm(rng):
         policy = make_lossy_oracle(rng, p) if p else oracle_policy
-        return folded_policy(with_detour(rng, detour, policy) if detour else policy)
+        return folded_policy(with_detour(rng, detour or stuck, policy, stuck=bool(stuck)) if detour or stuck else policy)
     return dict(tok=tok, fmt=fmt, train_tasks=train_tasks, rl_tasks=rl_tasks, eval_tasks=eval_tasks,
                 val_tasks=val_tasks,
                 make_env=lambda: MemoryEnv(answer_reward=cfg["answer_reward"], show_budget=cfg["show_budget"],

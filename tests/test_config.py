@@ -74,6 +74,7 @@ def run_train(*args):
     (['--model=tiny-qwen3', '--n_layer=4'], "config key 'n_layer' sizes the tiny model; model 'tiny-qwen3' has its own (drop it)"),
     (['--gym=memory', '--oracle_forget=1.5'], "config key 'oracle_forget' is a probability, in [0, 1], got 1.5"),
     (['--gym=memory', '--oracle_detour=-0.1'], "config key 'oracle_detour' is a probability, in [0, 1], got -0.1"),
+    (['--gym=memory', '--oracle_stuck=1.5'], "config key 'oracle_stuck' is a probability, in [0, 1], got 1.5"),
     (['--gym=memory', '--val_tasks=-3'], "config key 'val_tasks' must be >= 0, got -3"),
     (['--out_dir=README.md'], "config key 'out_dir' names a file, not a folder: README.md"),
     (['--gym=searchqa', '--model=tiny-qwen3', '--prompt_style=foo'],

@@ -551,6 +551,44 @@ def test_detour_oracle_makes_one_untrained_wrong_search_then_recovers_within_the
     assert 0.4 < sum(half) / len(half) < 0.6
 
 
+def test_stuck_oracle_repeats_an_untrained_wrong_search_and_answers_its_notes_on_the_last_turn():
+    """oracle_stuck's lesson: one wrong search, repeated untrained until 'turns left 1', then a trained answer
+    of what the notes hold, in the budget's last turn; the oracle's turns before it are unchanged."""
+    tasks = g.make_tasks("train", 200, seed=5, n_objectives=(1, 3))
+    for i, t in enumerate(tasks):
+        env = g.MemoryEnv(show_budget=True, turn_limit=10)
+        said = []
+        stuck = g.with_detour(random.Random(i), 1.0, g.oracle_policy, stuck=True)
+        turns, obs, reward, info = g.play(t, lambda q, m, o: said.append(stuck(q, m, o)) or said[-1], env)
+        wrong = [j for j, a in enumerate(said) if isinstance(a, tuple)]
+        assert wrong == list(range(wrong[0], len(said) - 1)) and all(said[j][1] is False for j in wrong)
+        assert len({said[j][0] for j in wrong[1:]}) <= 1  # the same wrong search, again and again
+        assert turns[:wrong[0]] == g.play(t, g.oracle_policy)[0][:wrong[0]]
+        assert len(turns) == min(env.budget, 10) and obs[-2].endswith("turns left 1")
+        assert info["stop"] == "answer" and info["format_ok"], info
+        notes = answers.extract_mem("<mem> " + turns[-1])
+        assert notes == answers.extract_mem("<mem> " + turns[wrong[0]])
+        resolved = [s.split()[0] for s in notes.split(";") if len(s.split()) == 1]  # the answers found before
+        assert [p.strip() for p in info["answer"].split(";")][:len(resolved)] == resolved
+        assert reward == len(resolved) and len(info["answer"].split(";")) == len(t.golds)
+    assert g._answer_from_notes("a of x ; b of c of y ; d of z", "castor ; y dag married to") == "castor ; dag ; z"
+    assert g._answer_from_notes("a of x ; b of y", " ; y dag married to") == "x ; dag"  # a forgotten slot: its root
+    assert g._turns_left("no result\nturns left 3") == 3 and g._turns_left("no result") is None
+    never = g.with_detour(random.Random(0), 0.0, g.oracle_policy, stuck=True)
+    assert all(g.play(t, never)[0] == g.play(t, g.oracle_policy)[0] for t in tasks[:50])
+
+
+def test_stuck_oracle_needs_show_budget_and_is_not_combined_with_detours():
+    from config import config
+    cfg = dict(config, gym='memory', model='tiny', max_objectives=2, train_tasks=20, eval_tasks=4, oracle_stuck=0.5)
+    with pytest.raises(ValueError, match="'oracle_stuck' needs show_budget: true"):
+        g.setup(cfg)
+    with pytest.raises(ValueError, match="'oracle_detour' and 'oracle_stuck' are each one wrong search an episode"):
+        g.setup(dict(cfg, show_budget=True, oracle_detour=0.5))
+    policy = g.setup(dict(cfg, show_budget=True))['warm_policy'](random.Random(0))
+    assert callable(policy)
+
+
 def _said(task, policy):
     said = []
     g.play(task, lambda q, m, o: said.append(policy(q, m, o)) or said[-1])
