@@ -253,6 +253,17 @@ def saved_config(out_dir):
         fail(str(e))
 
 
+def resume_base(out_dir, argv):
+    """--resume's base config: saved_config(out_dir). Exits 2 with one line when out_dir holds no run (no
+    config.json, no checkpoint) and argv names no YAML file: the defaults would start a run nobody asked
+    for, in what is most likely a mistyped folder."""
+    saved = saved_config(out_dir)
+    if not saved and not glob.glob(os.path.join(out_dir, CHECKPOINTS)) and all(a.startswith('-') for a in argv):
+        fail(f"--resume=True: {out_dir} holds no run to continue (no {CONFIG}, no checkpoint); to start one there, "
+             f"name its config: python train.py config/NAME.yaml --out_dir={out_dir}")
+    return saved
+
+
 def write_config(cfg):
     """out_dir/config.json: the config this run trains with (sample.py --untrained reads it), written
     to a temporary file and renamed, so a run killed mid-write leaves the old file or the new one."""

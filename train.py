@@ -449,7 +449,7 @@ def main(argv):
     t_start = time.time()
     cfg = load_config(argv)
     if cfg['resume']:  # the run's own settings, with what argv sets on top (check_out_dir warns of those)
-        cfg = load_saved_config(argv, report.saved_config(cfg['out_dir']))
+        cfg = load_saved_config(argv, report.resume_base(cfg['out_dir'], argv))
     ddp = init_distributed(cfg)
     master = rank() == 0
     check_run(cfg, master)  # the device, the gym's name and keys: one line, before anything is made

@@ -388,7 +388,12 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path)
     p = train(tmp_path / 'other', '--steps=1', check=False)
     assert p.returncode == 2 and 'holds an earlier run (0 checkpoint(s), metrics.jsonl present)' in p.stderr
     assert (tmp_path / 'other' / 'metrics.jsonl').read_text() == '{"step": 0}\n'
-    p = train(tmp_path / 'fresh', '--steps=1', '--resume=True', '--save_every=0')
+    p = train(tmp_path / 'fresh', '--steps=1', '--resume=True', '--save_every=0', check=False)  # a mistyped folder
+    assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path / 'fresh'} holds no run to continue (no "
+                                              f"config.json, no checkpoint); to start one there, name its config: python "
+                                              f"train.py config/NAME.yaml --out_dir={tmp_path / 'fresh'}\n")
+    assert not (tmp_path / 'fresh').exists()
+    p = train(tmp_path / 'fresh', 'config/smoke.yaml', '--steps=1', '--resume=True', '--save_every=0', '--val_tasks=0')
     assert f"--resume=True: no checkpoint in {tmp_path / 'fresh'}, starting from scratch" in p.stdout
 
 
