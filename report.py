@@ -299,7 +299,8 @@ def restore(ckpt, cfg, model, opt, rng, gen, rank=0):
         open(metrics, 'w').writelines(lines)
         if state['step'] < cfg['steps']:  # a finished run resumed keeps its config.json
             write_config(cfg)
-        print(f"resumed from {path} at step {state['step']}")
+        print(f"resumed from {path} at step {state['step']}" + ('' if state['step'] < cfg['steps'] else
+              f": the run is finished (steps={cfg['steps']}); --steps=N with a larger N trains it further"))
     return state['step'], state.get('ref_model') if cfg['kl_coef'] else None
 
 

@@ -162,6 +162,7 @@ def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
     assert (tmp_path / 'config.json').read_text() == saved  # a refused resume leaves the run's config as it was
     p = train(tmp_path, '--steps=1', '--resume=True', '--lr=0.5')  # finished: nothing to train, nothing rewritten
     assert 'resumed from' in p.stdout and (tmp_path / 'config.json').read_text() == saved
+    assert 'at step 1: the run is finished (steps=1); --steps=N with a larger N trains it further' in p.stdout
     p = run_script('sample.py', [f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
                    env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
