@@ -127,6 +127,23 @@ def test_a_model_without_the_stop_token_or_a_template_that_cannot_render_stops_a
         hf.chat_format(qwen, memory=True)
 
 
+def test_a_stuck_episode_trains_only_the_oracle_turns_and_its_last_turn_answer(run):
+    """oracle_stuck through the chat template: the repeated wrong searches weigh 0; the turns before them
+    and the answer on the budget's last turn train, and the episode ends well formed, never cut."""
+    cfg, g0, tasks, _ = run
+    cfg = dict(cfg, oracle_stuck=1.0, show_budget=True)
+    g = load_gym(cfg, None, config)
+    trajs = run_tasks([g['warm_policy'](random.Random(i)) for i in range(len(tasks))], g, cfg, tasks)
+    am = collate(trajs, g['fmt'].pad_id)['action_mask']
+    for t in trajs:
+        train = [tr['train'] for tr in t.turns]
+        assert t.info['stop'] == 'answer' and t.info['format_ok'] and train[-1] and not train[-2]
+        assert train == [True] * train.index(False) + [False] * (len(train) - 1 - train.index(False)) + [True]
+        last, before = (g['tok'].decode(t.turns[i]['context'][0]) for i in (-1, -2))  # folded: the last observation
+        assert 'turns left 1' in last and 'turns left 2' in before  # the answer comes on the last turn
+    assert am.sum() == sum(len(tr['response']) for t in trajs for tr in t.turns if tr['train'])
+
+
 def test_a_demonstrated_mistake_is_played_but_not_trained(run):
     """oracle_detour: the wrong search's tokens weigh 0, the recovery and every other turn train."""
     cfg, g0, tasks, _ = run
