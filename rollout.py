@@ -57,7 +57,8 @@ class Episode:
 @dataclass
 class Trajectory:
     """One episode. ids, owner, turn [T] are the full un-folded sequence; action_mask, sample_logp and
-    mem_mask [T-1] line up with ids[1:]. rows are the training rows: one for a prefix-stable episode
+    mem_mask [T-1] line up with ids[1:] (action_mask: the policy tokens of turns that train, so 0 on a
+    scripted mistake's, as in every row; the viewer shows it). rows are the training rows: one for a prefix-stable episode
     (then identical to the full sequence), one per turn when contexts were folded."""
     ids: torch.Tensor
     owner: torch.Tensor
@@ -189,24 +190,24 @@ def full_history_row(traj, max_len):
     keep_tool_results='all' would have built for the same turns), cut to its first max_len tokens.
     Trained turns' policy tokens are in its action_mask, scripted mistakes (train=False) are not.
     For the warm start (warmstart_full): MemPO's P_full reads this history (advantage.memory_rewards)."""
-    trained = torch.tensor([t['train'] for t in traj.turns] + [False])  # turn -1 (the prompt) reads the last entry
     n = min(len(traj.ids), max_len)
-    return dict(ids=traj.ids[:n], owner=traj.owner[:n], action_mask=(traj.action_mask * trained[traj.turn[1:]])[:n - 1],
+    return dict(ids=traj.ids[:n], owner=traj.owner[:n], action_mask=traj.action_mask[:n - 1],
                 sample_logp=traj.sample_logp[:n - 1], turn_ids=traj.turn[1:n], mem_mask=traj.mem_mask[:n - 1])
 
 
 def make_trajectory(ep):
     """Freeze an Episode: tensors shifted to ids[1:] in one place, so masks cannot drift by one."""
     h = ep.hist
-    owner = torch.tensor(h['owner'])
+    owner, turn = torch.tensor(h['owner']), torch.tensor(h['turn'])
+    trained = torch.tensor([t['train'] for t in ep.turns] + [False])  # turn -1 (the prompt) reads the last entry
     contexts = [len(t['context'][0]) for t in ep.turns]
     generated = [len(t['response']) for t in ep.turns]
     info = dict(ep.info, actions=ep.actions, n_turns=len(ep.turns),
                 tt=sum(contexts) + sum(generated),  # tokens processed: every turn's context + response
                 pt=max((c + g for c, g in zip(contexts, generated)), default=0),  # peak context of a turn
                 ht=len(h['ids']))  # the un-folded episode: the peak context of full history for these turns
-    return Trajectory(ids=torch.tensor(h['ids']), owner=owner, turn=torch.tensor(h['turn']),
-                      action_mask=(owner[1:] == OWNER['policy']).float(),
+    return Trajectory(ids=torch.tensor(h['ids']), owner=owner, turn=turn,  # a scripted mistake's tokens: mask 0
+                      action_mask=((owner[1:] == OWNER['policy']) & trained[turn[1:]]).float(),
                       sample_logp=torch.tensor(h['logp'][1:], dtype=torch.float32),
                       mem_mask=torch.tensor(h['mem'][1:], dtype=torch.float32),
                       reward=ep.reward, info=info, group=ep.group, valid=ep.valid, task=ep.task, rows=training_rows(ep),

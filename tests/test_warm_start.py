@@ -141,6 +141,7 @@ def test_a_stuck_episode_trains_only_the_oracle_turns_and_its_last_turn_answer(r
         assert train == [True] * train.index(False) + [False] * (len(train) - 1 - train.index(False)) + [True]
         last, before = (g['tok'].decode(t.turns[i]['context'][0]) for i in (-1, -2))  # folded: the last observation
         assert 'turns left 1' in last and 'turns left 2' in before  # the answer comes on the last turn
+        assert t.action_mask.sum() == sum(len(tr['response']) for tr in t.turns if tr['train'])  # the viewer's mask too
     assert am.sum() == sum(len(tr['response']) for t in trajs for tr in t.turns if tr['train'])
 
 
