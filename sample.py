@@ -26,7 +26,7 @@ settings that differ from the run's evaluation (JSON: `logged`). Another
 processes (torchrun) evaluated each process's share of the tasks, so its sampled numbers differ.
 Every other argument (a YAML file, --key=value)
 is train.py's config, on top of the checkpoint's own config when out_dir holds one (eval_tasks = how
-many held-out tasks, 0 = all);
+many held-out tasks, and of training ones with --split=train, 0 = all);
 a training key (config.TRAINING_KEYS: --steps, --lr, ...) is refused, as it would change nothing.
 
 Simplifications, on purpose:
@@ -50,7 +50,8 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import START_KEYS, TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, resolve_dtype
+from config import (TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, read_config_file,
+                    resolve_dtype)
 from gym import OWNER, load_gym
 from model import load_policy
 from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
@@ -65,6 +66,8 @@ OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scr
 
 SPLITS = {'heldout': 'eval_tasks', 'train': 'train_tasks', 'val': 'val_tasks'}  # --split -> the gym's tasks
 SPLIT_NAMES = {'heldout': 'held-out', 'train': 'training', 'val': 'validation'}
+# keys an evaluation of a checkpoint does not read: where it is, how it was trained, the scripted policy's mistakes
+NOT_EVALUATION_KEYS = ('out_dir', 'device', *TRAINING_KEYS, 'oracle_forget', 'oracle_detour', 'oracle_stuck')
 
 
 def split_tasks(gym_, split):
@@ -105,8 +108,11 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_B
     invalid turns and stop reasons. Sampling draws from the generator train.py's evaluation at training step
     `step` draws from (rollout.eval_generator), and the default batch is train.py's: a checkpoint of that
     step gives the numbers its run logged (greedy: eval_greedy_success; samples=eval_samples, greedy=False:
-    eval_success_rate and the other eval_* metrics; eval_val_* with split='val')."""
+    eval_success_rate and the other eval_* metrics; eval_val_* with split='val'). The training split: its
+    first cfg['eval_tasks'] tasks (all when 0)."""
     tasks, rng = split_tasks(gym_, split), random.Random(cfg['seed'])
+    if split == 'train' and cfg['eval_tasks']:  # thousands of them: the first eval_tasks, as many as held-out
+        tasks = tasks[:cfg['eval_tasks']]
     gen = eval_generator(cfg, SPLITS[split], step)
     per = max(1, batch // samples)  # tasks per rollout batch; a task's samples stay together
     trajs = []
@@ -326,6 +332,8 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     saved = report.saved_config(cfg['out_dir']) if untrained else {}
     if saved:  # the run's gym and model, before its training
         cfg = load_saved_config(rest, saved)
+        if any(cfg[k] != saved.get(k) for k in ('gym', 'model')):  # argv named another: not the run's config
+            saved = {}
     state, path = None, None
     if ckpt:
         try:
@@ -341,8 +349,10 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         cfg = load_saved_config(rest, state['config'])
         for key in ('gym', 'model'):  # the weights (and a tiny model's vocabulary) belong to these
             if cfg[key] != state['config'][key]:
+                named = [a for a in rest if a.partition('=')[0] == f'--{key}'] or \
+                    [a for a in rest if not a.startswith('-') and key in read_config_file(a, rest)]
                 fail(f"{path} was trained with {key} {state['config'][key]!r}, not {cfg[key]!r} "
-                     f"(drop --{key}, or add --untrained for an untrained policy)")
+                     f"(drop {(named or [f'--{key}'])[-1]}: the checkpoint's own config is used where argv says nothing)")
     if cfg['device'].startswith('cuda') and not torch.cuda.is_available():
         print('no CUDA here: running on cpu')
         cfg['device'] = 'cpu'
@@ -401,6 +411,8 @@ def logged_numbers(ckpt, split, sampled):
     if not os.path.isfile(metrics):
         return None, f'no metrics.jsonl beside {ckpt["path"]}'
     rows = [r for r in report.read_metrics(metrics) if r.get('step') == ckpt['step'] and prefix + 'greedy_success' in r]
+    if not rows and split == 'val' and not ckpt['config'].get('val_tasks'):
+        return None, 'the run had no validation tasks (val_tasks 0)'
     if not rows:
         return None, (f"{metrics} has no evaluation of this split at step {ckpt['step']} (not evaluated: eval_every; "
                       "or its line is unreadable)")
@@ -423,7 +435,7 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
         return dict(missing=why)
     differ = [k for k, v in shared.items() if numbers[k] != v]
     settings = [f'{k} {ckpt["config"][k]!r} -> {v!r}' for k, v in cfg.items()
-                if k not in ('out_dir', 'device', *START_KEYS) and k in ckpt['config'] and ckpt['config'][k] != v]
+                if k not in NOT_EVALUATION_KEYS and k in ckpt['config'] and ckpt['config'][k] != v]
     if batch != EVAL_EPISODES_PER_BATCH:
         settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')
     keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]

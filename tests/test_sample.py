@@ -212,11 +212,14 @@ def test_cli_checkpoint_and_rollout_dump(memory, tmp_path, capsys):
     dump = report.dump_rollout(str(tmp_path / 'rollout.pt'), sampled, batch, batch['sample_logp'], cfg, 7)
     sample.main([f'--metrics_rollout={dump}', f'--html={html}'])
     assert 'step 7, 3 episodes' in capsys.readouterr().out
-    for flag, trained in (('--gym=bugfix', "gym 'memory'"), ('--model=tiny-qwen3', "model 'tiny'")):
+    (tmp_path / 'other.yaml').write_text('gym: bugfix\n')  # a YAML naming another gym: the hint names the file
+    for flag, trained in (('--gym=bugfix', "gym 'memory'"), ('--model=tiny-qwen3', "model 'tiny'"),
+                          (str(tmp_path / 'other.yaml'), "gym 'memory'")):
         with pytest.raises(SystemExit) as e:  # the weights belong to the run's gym and model
             sample.main([f'--out_dir={tmp_path}', flag])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count('\n') == 1 and f'was trained with {trained}, not' in err, err
+        assert f'(drop {flag}:' in err and '--untrained' not in err, err  # not a hint that loops
     cells = parse(html.read_text()).episodes
     assert len(cells) == 3 and all('data-adv' in a for a, _ in cells[0][1:])
 
@@ -339,6 +342,8 @@ def test_untrained_with_a_runs_out_dir_builds_that_runs_gym_and_model(memory, tm
     got, gym_, model, policy, _ = sample.load_run([f'--out_dir={tmp_path}', '--max_turns=3'], untrained=True)
     assert got['gym'] == 'memory' and got['n_embd'] == 32 and got['max_turns'] == 3 and gym_['fmt'].mem_span
     assert policy == f"untrained tiny (--untrained, the config of {tmp_path / 'config.json'})"
+    got, _, _, policy, _ = sample.load_run([f'--out_dir={tmp_path}', '--gym=bugfix'], untrained=True)  # not the run's
+    assert policy == 'untrained tiny (--untrained)' and got['gym'] == 'bugfix' and got['n_embd'] != 32
     got, _, _, policy, _ = sample.load_run([f"--out_dir={tmp_path / 'none'}"], untrained=True)  # no run there: the defaults
     assert policy == 'untrained tiny (--untrained)' and got['gym'] == 'bugfix'
     capsys.readouterr()
@@ -427,6 +432,15 @@ def test_the_validation_split_can_be_shown_and_evaluated(memory, capsys):
     assert numbers['episodes'] == 3 and [t.task.id for t in trajs] == [t.id for t in gv['val_tasks']]
 
 
+def test_the_training_split_evaluates_eval_tasks_of_its_tasks(memory):
+    """--eval --split=train: the first eval_tasks training tasks (thousands otherwise), all when 0."""
+    cfg, g, model, _, _ = memory
+    numbers, trajs = sample.evaluate(model, g, dict(cfg, eval_tasks=3), split='train')
+    assert numbers['episodes'] == 3 and [t.task.id for t in trajs] == [t.id for t in g['train_tasks'][:3]]
+    numbers, _ = sample.evaluate(model, g, dict(cfg, eval_tasks=0), split='train')
+    assert numbers['episodes'] == len(g['train_tasks']) > 3
+
+
 def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path, capsys):
     """--scripted: the warm start's scripted policy through the same rollout, evaluation and metrics: on the
     memory gym (the oracle) it answers every held-out question, and folding keeps the peak context below
@@ -511,8 +525,12 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     assert 'temperature 1.0 -> 0.7' in line and 'batch 512 -> 2' in line, line
     fewer = sample.main([ckpt, '--eval', '--show=0', '--max_turns=4'])  # equal success, other settings: both said
     assert 'max_turns 17 -> 4' in capsys.readouterr().out.splitlines()[-2] and fewer['logged']['differs_in']
+    (tmp_path / 'train.yaml').write_text('steps: 99\nbatch_size: 5\noracle_detour: 0.5\n')  # read by training only
+    yaml_keys = sample.main([ckpt, str(tmp_path / 'train.yaml'), '--eval', '--show=0', '--sampled'])['logged']
+    assert yaml_keys['same'] and yaml_keys['differs_in'] == [], yaml_keys
     for args, why in (([f'--ckpt={tmp_path / "ckpt_000005.pt"}'], 'no evaluation of this split at step 5'),
-                      ([ckpt, '--split=train'], 'train.py does not evaluate the training split')):
+                      ([ckpt, '--split=train'], 'train.py does not evaluate the training split'),
+                      ([ckpt, '--split=val', '--val_tasks=2'], 'the run had no validation tasks (val_tasks 0)')):
         assert why in sample.main(args + ['--eval', '--show=0'])['logged']['missing']
         assert 'note: nothing logged to compare with: ' in capsys.readouterr().out
     (tmp_path / 'metrics.jsonl').unlink()
