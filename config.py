@@ -407,6 +407,11 @@ def check_run(cfg, master=True):
     if master and cfg['pack_turns'] and cfg['keep_tool_results'] == 'all':
         print("note: pack_turns with keep_tool_results=all: each episode is one row already, so there is "
               "nothing to pack", file=sys.stderr)
+    scripted = [k for k in ('oracle_forget', 'oracle_detour', 'oracle_stuck') if cfg.get(k)]
+    if master and scripted and not cfg['resume'] and not cfg['sft_coef'] and not (cfg['warmstart_steps'] and cfg['warmstart_episodes']):
+        print(f"note: {scripted[0]} shapes the scripted episodes, which neither a warm start (warmstart_steps "
+              f"{cfg['warmstart_steps']}, warmstart_episodes {cfg['warmstart_episodes']}) nor PPO-ptx (sft_coef 0) "
+              "trains on: it changes nothing here", file=sys.stderr)
     if master and cfg['tis_cap'] and cfg['dtype'] == 'float32':
         print("note: tis_cap in float32: the sampler's log-probs are already the trainer's (gap <= 1e-5), so "
               "the correction only adds a forward pass (tis_cap: 0 skips it)", file=sys.stderr)

@@ -264,3 +264,17 @@ def test_every_config_key_is_explained_in_config_py():
 def test_every_peer_name_points_at_a_key_of_ours():
     from config import PEER_KEYS
     assert set(PEER_KEYS.values()) <= set(config) and not set(PEER_KEYS) & set(config)
+
+
+@pytest.mark.parametrize('args, noted', [(['--warmstart_steps=0'], True), (['--warmstart_episodes=0'], True),
+                                         (['--warmstart_steps=0', '--sft_coef=1'], False), ([], False),
+                                         (['--warmstart_steps=0', '--oracle_stuck=0'], False)])
+def test_a_scripted_mistake_that_nothing_trains_on_is_noted(capsys, args, noted):
+    """oracle_stuck (and oracle_forget, oracle_detour) shape only the scripted episodes: without a warm
+    start and without PPO-ptx they change nothing, and the run says so."""
+    import config as config_lib
+    cfg = load_config(['config/tiny_mem.yaml', '--show_budget=true', '--oracle_stuck=0.25', '--device=cpu',
+                       '--dtype=float32', *args])
+    config_lib.check_run(cfg)
+    err = capsys.readouterr().err
+    assert ('note: oracle_stuck shapes the scripted episodes, which neither a warm start' in err) == noted, err
