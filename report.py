@@ -199,7 +199,7 @@ def check_out_dir(cfg, master=True):
                  f"--overwrite=True replaces them, or choose another out_dir")
     changed = [f"{k} {v!r} there, {cfg[k]!r} here" for k, v in (state or {}).get('config', {}).items()
                if k in cfg and k not in RUN_KEYS and v != cfg[k]]
-    if changed and master:
+    if changed and master and state['step'] < cfg['steps']:  # a finished run trains nothing more
         print(f"warning: --resume=True: the run goes on with settings other than its checkpoint's: {'; '.join(changed)}",
               file=sys.stderr)
     return (state, path) if state is not None else None

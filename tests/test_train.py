@@ -163,6 +163,7 @@ def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
     p = train(tmp_path, '--steps=1', '--resume=True', '--lr=0.5')  # finished: nothing to train, nothing rewritten
     assert 'resumed from' in p.stdout and (tmp_path / 'config.json').read_text() == saved
     assert 'at step 1: the run is finished (steps=1); --steps=N with a larger N trains it further' in p.stdout
+    assert 'lr' not in p.stderr  # no warning that the run goes on with lr 0.5: it does not go on
     p = run_script('sample.py', [f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
                    env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
