@@ -283,8 +283,8 @@ def restore(ckpt, cfg, model, opt, rng, gen, rank=0):
     state, path = ckpt
     load_weights(model, state, cfg, path, opt)
     if cfg['kl_coef'] and not cfg['lora_rank'] and state.get('ref_model') is None and state['step'] > 0:
-        fail(f"{path} has no KL reference (its run had kl_coef 0): resume with kl_coef 0, or from its "
-             f"ckpt_000000 (whose weights are the reference a fresh run would take)")
+        fail(f"{path} has no KL reference (its run had kl_coef 0): resume with kl_coef 0, or copy its "
+             f"ckpt_000000.pt into a new out_dir and resume there (step 0's weights are the reference)")
     rng.setstate(state['rng']['python'])
     torch.set_rng_state(state['rng']['torch'])
     gen.set_state(state['rng']['gen'][min(rank, len(state['rng']['gen']) - 1)])

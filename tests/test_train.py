@@ -577,6 +577,11 @@ def test_resume_adding_a_kl_term(warm_started, one_step, tmp_path):
     copy_run(one_step[0], tmp_path / 'b')  # --steps=1 with kl_coef 0
     p = train(tmp_path / 'b', '--steps=2', '--kl_coef=0.1', '--resume=True', check=False)
     assert p.returncode == 2 and 'has no KL reference (its run had kl_coef 0)' in p.stderr
+    assert 'copy its ckpt_000000.pt into a new out_dir and resume there' in p.stderr
+    (tmp_path / 'c').mkdir()  # what the message says works
+    shutil.copy(tmp_path / 'b' / 'ckpt_000000.pt', tmp_path / 'c' / 'ckpt_000000.pt')
+    p = train(tmp_path / 'c', '--steps=1', '--kl_coef=0.1', '--resume=True')
+    assert 'resumed from' in p.stdout and metrics(tmp_path / 'c')[-1]['kl'] == 0.0
 
 
 def test_an_evaluation_where_every_episode_is_invalid_stops(capsys):
