@@ -129,6 +129,7 @@ config = dict(
 TYPES = {'keep_tool_results': (str, int)}  # keys whose values may take more than one type
 # keys only training reads: what to do with out_dir, and the warm start, RL and logging sections above
 TRAINING_KEYS = ('resume', 'overwrite', *list(config)[list(config).index('warmstart_episodes'):])
+SCRIPTED_KEYS = ('oracle_forget', 'oracle_detour', 'oracle_stuck')  # keys that shape only the scripted episodes
 
 
 TRUE_WORDS, FALSE_WORDS = ('true', '1', 'yes'), ('false', '0', 'no')  # what a bool key's value may be written as
@@ -407,7 +408,7 @@ def check_run(cfg, master=True):
     if master and cfg['pack_turns'] and cfg['keep_tool_results'] == 'all':
         print("note: pack_turns with keep_tool_results=all: each episode is one row already, so there is "
               "nothing to pack", file=sys.stderr)
-    scripted = [k for k in ('oracle_forget', 'oracle_detour', 'oracle_stuck') if cfg.get(k)]
+    scripted = [k for k in SCRIPTED_KEYS if cfg.get(k)]
     if master and scripted and not cfg['resume'] and not cfg['sft_coef'] and not (cfg['warmstart_steps'] and cfg['warmstart_episodes']):
         print(f"note: {scripted[0]} shapes the scripted episodes, which neither a warm start (warmstart_steps "
               f"{cfg['warmstart_steps']}, warmstart_episodes {cfg['warmstart_episodes']}) nor PPO-ptx (sft_coef 0) "

@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 import report
-from config import (TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, read_config_file,
+from config import (SCRIPTED_KEYS, TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, read_config_file,
                     resolve_dtype)
 from gym import OWNER, load_gym
 from model import load_policy
@@ -67,7 +67,7 @@ OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scr
 SPLITS = {'heldout': 'eval_tasks', 'train': 'train_tasks', 'val': 'val_tasks'}  # --split -> the gym's tasks
 SPLIT_NAMES = {'heldout': 'held-out', 'train': 'training', 'val': 'validation'}
 # keys an evaluation of a checkpoint does not read: where it is, how it was trained, the scripted policy's mistakes
-NOT_EVALUATION_KEYS = ('out_dir', 'device', *TRAINING_KEYS, 'oracle_forget', 'oracle_detour', 'oracle_stuck')
+NOT_EVALUATION_KEYS = ('out_dir', 'device', *TRAINING_KEYS, *SCRIPTED_KEYS)
 
 
 def split_tasks(gym_, split):
