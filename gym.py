@@ -35,8 +35,9 @@ An env (make_env()) has
         When done, info holds `success` (bool, the task solved) and `stop` (one of STOPS). info may
         hold `turn_ok` (bool): whether this turn kept the gym's turn format (default: it ended with
         its stop token); MemPO's memory reward scores only such turns.
-The rollout itself ends an episode 'truncated' (out of max_turns or max_len, reward 0) or 'env_error'
-(step raised: the episode is invalid); every other stop is the gym's. rollout.py calls an env only
+The rollout itself ends an episode 'max_len' (its next context would not fit), 'max_turns' (its turn
+cap) or 'env_error' (step raised: the episode is invalid), each with reward 0; every other stop is the
+gym's, and a gym that ends an episode on its own turn limit says 'budget'. rollout.py calls an env only
 through checked_reset and checked_step below, which hold the contract.
 """
 
@@ -51,8 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-# every stop reason an episode can end with (info['stop']); the last three mean it ran out of turns or context
-STOPS = ('answer', 'submit', 'over', 'env_error', 'truncated', 'budget', 'max_turns')
+# every stop reason an episode can end with (info['stop']); the last three mean it was cut: out of
+# context (the rollout's max_len), out of the rollout's max_turns, or out of the gym's own turn budget
+STOPS = ('answer', 'submit', 'over', 'env_error', 'max_len', 'max_turns', 'budget')
 TRUNCATED = STOPS[-3:]
 OWNER = {'template': 0, 'prompt': 1, 'policy': 2, 'tool': 3}  # who wrote a token
 
@@ -137,7 +139,7 @@ def scripted_turn(policy, episode):
 
 def check_prompts_fit(gym_, cfg):
     """Raise ValueError when some task's first context (its prompt and fmt.turn_prefix) plus
-    max_response_tokens exceeds max_len: the rollout would end that episode 'truncated' before its
+    max_response_tokens exceeds max_len: the rollout would end that episode 'max_len' before its
     first turn. Resets a fresh make_env() per task (cheap: 16096 tasks take 0.1 s). Returns the
     longest first context in tokens."""
     fmt, tasks = gym_['fmt'], list(gym_['train_tasks']) + list(gym_['eval_tasks'])

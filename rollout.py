@@ -109,7 +109,7 @@ def context_of(ep, fmt, keep_tool_results):
 
 def finish(ep, reward, info, stop=None):
     """End the episode: its reward and info (checked_step's); a stop given here is the rollout's own
-    ('truncated'): reward 0, not a success."""
+    ('max_len' or 'max_turns'): reward 0, not a success."""
     ep.done, ep.kv = True, None
     ep.info, ep.reward, ep.valid = dict(info), reward, not info.get('invalid')
     if stop is not None:
@@ -142,7 +142,7 @@ def record_turn(ep, fmt, context, response, logp, max_turns, finish_reason, trai
     if done:
         return finish(ep, reward, info)
     if len(ep.turns) >= max_turns:
-        return finish(ep, 0.0, info, stop='truncated')
+        return finish(ep, 0.0, info, stop='max_turns')
     o_ids, o_owner = fmt.observation(obs)
     ep.observations.append((o_ids, o_owner))
     ep.texts.append(obs)
@@ -227,8 +227,8 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
     token, which the text itself does not write). A scripted policy may return (text, False) for a
     demonstrated mistake: played, but never trained on (the warm start learns the recovery only).
     cfg needs max_turns, max_len, max_response_tokens, keep_tool_results. An episode
-    whose next context plus a full response would exceed max_len, or that uses max_turns turns, ends
-    'truncated' with reward 0. Each turn's finish reason goes to env.step (Simplification 2)."""
+    whose next context plus a full response would exceed max_len ends 'max_len', one that uses max_turns
+    turns 'max_turns', each with reward 0. Each turn's finish reason goes to env.step (Simplification 2)."""
     temperature = cfg['temperature'] if temperature is None else temperature
     groups = groups if groups is not None else list(range(len(tasks)))
     eps = [start_episode(env, task, fmt, g) for env, task, g in zip(envs, tasks, groups)]
@@ -239,7 +239,7 @@ def rollout_batch(policy, fmt, envs, tasks, cfg, groups=None, generator=None, te
                 continue
             ctx = context_of(ep, fmt, cfg['keep_tool_results'])
             if len(ctx[0]) + cfg['max_response_tokens'] > cfg['max_len']:
-                finish(ep, 0.0, {}, stop='truncated')
+                finish(ep, 0.0, {}, stop='max_len')
                 continue
             active.append(i)
             contexts.append(ctx)

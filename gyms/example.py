@@ -36,7 +36,7 @@ class GuessEnv:
         else:
             obs = 'higher' if int(words[2]) < self.secret else 'lower'
         if self.turns >= self.max_turns:
-            return obs, 0.0, True, dict(success=False, stop='max_turns', n_turns=self.turns)
+            return obs, 0.0, True, dict(success=False, stop='budget', n_turns=self.turns)
         return obs, 0.0, False, {}
 
 

@@ -219,7 +219,8 @@ class MemoryEnv:
       but its final reward will be 0 (the format check covers every turn). A turn cut at the
       response limit (finish='length') is malformed whatever its text (its text fails the format
       check anyway: a well-formed turn ends with a stop token, </search> or </answer>)
-    - own budget: after max_turns turns without an answer the episode ends (stop='max_turns', 0).
+    - own budget: after `budget` turns without an answer (max_turns, else 2 + the question's hops: one
+      turn more than the oracle needs) the episode ends (stop='budget', 0).
     - show_budget: every observation gets a last line 'turns left N', N = the turns left after this
       one, counted to the smaller of the budget and turn_limit (the rollout's max_turns, which can end
       the episode first). Under folding the observation is the only place a policy can read it.
@@ -263,7 +264,7 @@ class MemoryEnv:
         if self.show_budget:
             obs += f"\n{BUDGET_WORDS} {max(0, min(self.budget, self.turn_limit or self.budget) - len(self.turns))}"
         if len(self.turns) >= self.budget:
-            return obs, *self._finish("max_turns", None, turn_ok=action is not None)
+            return obs, *self._finish("budget", None, turn_ok=action is not None)
         info.update(n_invalid=self.n_invalid, hop_share=self.hop_share())  # an episode the rollout cuts keeps these
         return obs, 0.0, False, info
 

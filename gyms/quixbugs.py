@@ -434,7 +434,7 @@ class QuixBugsEnv:
     tool, bad arguments or a turn cut at the response limit (finish='length', never run) give an 'error: ...'
     observation, count in info['n_invalid'] and use a turn; a failed edit (text absent or ambiguous) counts
     in info['n_failed_edits']. max_turns: the env's own budget (None: the rollout's limit only); reaching it
-    ends the episode with stop='max_turns' and reward 0."""
+    ends the episode with stop='budget' and reward 0."""
 
     def __init__(self, case_timeout_s=4.0, total_timeout_s=20.0, max_turns=None):
         self.case_timeout_s, self.total_timeout_s, self.max_turns = case_timeout_s, total_timeout_s, max_turns
@@ -473,7 +473,7 @@ class QuixBugsEnv:
             if isinstance(action_text, str) and action_text.count("<tool_call>") > 1:
                 obs += "\n(note: only the first tool call of a turn is run)"
         if not done and self.max_turns is not None and self.n_turns >= self.max_turns:
-            done, reward, info = True, 0.0, dict(stop="max_turns", success=False)
+            done, reward, info = True, 0.0, dict(stop="budget", success=False)
         self.done = done
         return obs, reward, done, self._info(**info)
 

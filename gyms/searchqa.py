@@ -262,7 +262,7 @@ class SearchQAEnv:
     - a malformed turn: an error observation, counted in n_invalid, uses a turn; the final reward
       will be 0 since the whole episode fails the format check. A turn cut at the response limit
       (finish='length') is malformed whatever its text: its search is not run, its answer not taken.
-    - max_turns turns without an answer: done, reward 0, stop='max_turns'.
+    - max_turns turns without an answer: done, reward 0, stop='budget'.
     Never raises on a str action.
     """
 
@@ -304,7 +304,7 @@ class SearchQAEnv:
             obs = (f'error: bad format ({reason}). Write <mem>...</mem><think>...</think> and then '
                    '<search>query</search> or <answer>answer</answer>.')
         if len(self.turns) >= self.max_turns:
-            return obs, *self._finish('max_turns', None, turn_ok=action is not None)
+            return obs, *self._finish('budget', None, turn_ok=action is not None)
         return obs, 0.0, False, dict(n_turns=len(self.turns), n_invalid=self.n_invalid, n_search=self.n_search,
                                      turn_ok=action is not None)
 

@@ -169,7 +169,7 @@ def test_truncation_penalty_gives_signal_to_a_group_of_failures():
     ones score -0.5: the answers get advantage +1, the loops -1. Group 1 (a success, a cut loop, two
     wrong answers): success > wrong > cut. Penalty 0: the gym's rewards exactly. Dynamic sampling, of
     three groups where only one has a wrong answer beside a loop, keeps that one first."""
-    stops = [('answer', 0.0), ('max_turns', 0.0), ('answer', 0.0), ('truncated', 0.0),
+    stops = [('answer', 0.0), ('max_turns', 0.0), ('answer', 0.0), ('max_len', 0.0),
              ('answer', 1.0), ('budget', 0.0), ('answer', 0.0), ('answer', 0.0)]
     trajs = [Traj(r, True, i // 4, {'stop': s}) for i, (s, r) in enumerate(stops)]
     assert training_rewards(trajs).tolist() == [t.reward for t in trajs]

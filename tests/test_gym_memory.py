@@ -286,7 +286,7 @@ def test_memory_plans_reads_each_objectives_plan_and_answer():
     assert [o["answered"] or o["right"] for o in unscored] == [False] * 3 and unscored[0]["plan_right"]
     counts = plans.tally([SimpleNamespace(task=task, info=dict(actions=turns, stop="answer")),
                           SimpleNamespace(task=task, info=dict(actions=short, stop="answer")),
-                          SimpleNamespace(task=task, info=dict(actions=turns, stop="max_turns"))], "heldout")
+                          SimpleNamespace(task=task, info=dict(actions=turns, stop="budget"))], "heldout")
     assert counts[("heldout", 3, 1)]["right"] == 2 and counts[("heldout", 3, 2)] == Counter(
         n=3, opened=3, plan_right=3, plan_shorter=0, plan_longer=0, plan_other=0, answered=1, right=1,
         right_after_right_plan=1)
@@ -324,7 +324,7 @@ def test_env_partial_credit_and_budget():
     env.reset(t)
     env.step("m </mem> <search> q </search>")
     _, r, done, info = env.step("m </mem> <search> q </search>")
-    assert done and r == 0.0 and info["stop"] == "max_turns"
+    assert done and r == 0.0 and info["stop"] == "budget"
 
 
 def test_all_or_nothing_reward_pays_only_a_complete_answer(capsys):
@@ -404,7 +404,7 @@ def test_hop_reward_pays_the_question_hops_found_in_order():
     assert env.step(f"m </mem> <answer> {' ; '.join(golds)} </answer>")[1] == 0.0
     env.reset(t)  # every hop found, then out of turns (the gym's budget, 2 + 5): a truncated episode earns 0
     steps = [env.step(f"m </mem> <search> {q} </search>") for q in (s1 + s2 + s2)[:env.budget]]
-    assert steps[-1][2] and steps[-1][3]["stop"] == "max_turns" and steps[-1][3]["hop_share"] == 1.0
+    assert steps[-1][2] and steps[-1][3]["stop"] == "budget" and steps[-1][3]["hop_share"] == 1.0
     assert steps[-1][1] == 0.0
     with pytest.raises(SystemExit):
         load_config(["config/tiny_mem.yaml", "--hop_reward=-1"])
@@ -610,7 +610,7 @@ def test_show_budget_counts_down_the_turns_left_and_the_oracle_still_succeeds():
     seen = [env.step("m </mem> <search> nobody born in </search>")[0] for _ in range(5)]
     assert seen == [f"{g.NO_RESULT}\nturns left {n}" for n in (5, 4, 3, 2, 1)]
     _, r, done, info = env.step("m </mem> <search> nobody born in </search>")
-    assert done and r == 0.0 and info["stop"] == "max_turns"
+    assert done and r == 0.0 and info["stop"] == "budget"
 
 
 def test_show_budget_words_are_in_the_tiny_vocabulary_only_when_on():

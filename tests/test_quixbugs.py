@@ -145,7 +145,7 @@ def test_max_turns_and_syntax_warning():
     assert "warning: the file no longer parses" in obs and not done
     obs, r, done, info = env.step(call("test"))
     assert "does not load" in obs and "SyntaxError" in obs
-    assert done and r == 0.0 and info["stop"] == "max_turns"
+    assert done and r == 0.0 and info["stop"] == "budget"
 
 
 def test_results_are_cached():
@@ -268,7 +268,7 @@ def test_turn_cut_at_max_response_tokens_is_not_run(qwen, budget):
     first = fmt.decode(t.turns[0]["response"])
     if budget == 13:
         assert first.endswith('"arguments": {}}\n') and "</tool_call>" not in first  # cut before the tag
-        assert seen[1].startswith("error:") and t.info["n_invalid"] == 1 and t.info["stop"] == "truncated"
+        assert seen[1].startswith("error:") and t.info["n_invalid"] == 1 and t.info["stop"] == "max_turns"
         assert seen[1] == G.CUT_ERROR and t.turns[0]["finish"] == "length"
     else:
         assert seen[1] == G.numbered(task.buggy_source) and t.info["n_invalid"] == 0

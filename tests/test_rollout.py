@@ -84,7 +84,7 @@ def test_logp_gap_batched_kv_rollout_full_history_and_folded(mem_setup):
                 n = len(t.rows[0]['ids'])
                 assert len(t.rows) == 1 and torch.equal(t.rows[0]['ids'], t.ids[:n])
                 # ... up to the last observation of a truncated episode: no turn was sampled after it
-                assert n == len(t.ids) or (t.info['stop'] == 'truncated' and (t.owner[n:] != OWNER['policy']).all())
+                assert n == len(t.ids) or (t.info['stop'] in ('max_len', 'max_turns') and (t.owner[n:] != OWNER['policy']).all())
         else:  # folded: one row per turn
             assert all(len(t.rows) == len(t.turns) for t in trajs)
 
@@ -170,10 +170,10 @@ def test_truncation_by_turns_and_context_gives_reward_0():
     fmt = word_format(tok)
     never_submit = [lambda ep: '<call> read </call>'] * 3
     t = rollout_batch(never_submit, fmt, [CountEnv() for _ in range(3)], [0, 1, 2], dict(CFG, keep_tool_results='all', max_turns=3))
-    assert all(x.info['stop'] == 'truncated' and x.reward == 0 and len(x.turns) == 3 for x in t)
+    assert all(x.info['stop'] == 'max_turns' and x.reward == 0 and len(x.turns) == 3 for x in t)
     t = rollout_batch(never_submit, fmt, [CountEnv() for _ in range(3)], [0, 1, 2],
                       dict(CFG, keep_tool_results='all', max_turns=50, max_len=40, max_response_tokens=4))
-    assert all(x.info['stop'] == 'truncated' and x.reward == 0 and len(x.ids) <= 40 for x in t)
+    assert all(x.info['stop'] == 'max_len' and x.reward == 0 and len(x.ids) <= 40 for x in t)
     submit_late = [lambda ep: '<call> submit </call>' if len(ep.turns) == 2 else '<call> read </call>']
     t = rollout_batch(submit_late, fmt, [CountEnv()], [0], dict(CFG, keep_tool_results='all'))
     assert t[0].reward == 1.0 and t[0].info['stop'] == 'submit'

@@ -460,16 +460,16 @@ def test_reward_nonzero_is_the_share_of_episodes_with_any_reward():
 
 
 def test_truncation_is_logged_by_limit_and_by_k():
-    """Which limit cut an episode (gym.TRUNCATED: the rollout's max_len or turn cap, a gym's budget or
-    turn limit), and truncation per objective count k on memory gyms: what a recipe aimed at long
+    """Which limit cut an episode (gym.TRUNCATED: the rollout's max_len or max_turns, or the gym's own
+    budget), and truncation per objective count k on memory gyms: what a recipe aimed at long
     questions needs to read."""
     from types import SimpleNamespace as NS
     import report
-    stops = [('answer', 1), ('max_turns', 3), ('truncated', 3), ('max_turns', 3), ('answer', 2)]
+    stops = [('answer', 1), ('budget', 3), ('max_turns', 3), ('budget', 3), ('answer', 2)]
     eps = [report.summarise(NS(reward=0.0, valid=True, info=dict(stop=s, k=k, em=0.0))) for s, k in stops]
     m = report.episode_metrics(eps, 'eval_val_')
-    assert (m['eval_val_truncation_rate'], m['eval_val_stop_max_turns'], m['eval_val_stop_truncated']) == (0.6, 0.4, 0.2)
-    assert m['eval_val_stop_budget'] == 0.0
+    assert (m['eval_val_truncation_rate'], m['eval_val_stop_budget'], m['eval_val_stop_max_turns']) == (0.6, 0.4, 0.2)
+    assert m['eval_val_stop_max_len'] == 0.0 and 'eval_val_stop_truncated' not in m
     assert (m['eval_val_truncation_rate_k1'], m['eval_val_truncation_rate_k2'], m['eval_val_truncation_rate_k3']) == (0, 0, 1)
 
 
@@ -505,7 +505,7 @@ def test_an_episode_the_rollout_cut_counts_at_its_tasks_k():
     from types import SimpleNamespace as NS
     import report
     two, one = NS(golds=[['arvenia'], ['bo']]), NS(golds=[['x']])
-    eps = [report.summarise(NS(reward=0.0, valid=True, task=two, info=dict(stop='truncated'))),
+    eps = [report.summarise(NS(reward=0.0, valid=True, task=two, info=dict(stop='max_len'))),
            report.summarise(NS(reward=2.0, valid=True, task=two, info=dict(stop='answer', k=2, em=1.0, f1=1.0))),
            report.summarise(NS(reward=1.0, valid=True, task=one, info=dict(stop='answer', k=1, em=1.0, f1=1.0)))]
     assert eps[0]['k'] == 2 and eps[0]['em'] == 0.0
