@@ -163,7 +163,8 @@ def check_out_dir(cfg, master=True):
     when --resume finds another run's checkpoint (other gym, model, seed, tasks or tiny-model shape),
     a checkpoint past `steps`, or metrics without any checkpoint, and before a fresh run would replace
     a curves.png or a config.json of other settings (a file of the user's); warns of other settings that differ
-    from the checkpoint's (they apply from here on). Runs before the gym's set-up."""
+    from the checkpoint's (they apply from here on; steps too where min_lr >= 0 sets a cosine schedule
+    that ends there), or notes that they change nothing when the run is finished. Runs before the gym's set-up."""
     state, path = (load_latest_checkpoint(cfg['out_dir'], 'run with --overwrite=True instead of --resume=True to start again')
                    if cfg['resume'] else (None, None))
     old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
@@ -197,11 +198,15 @@ def check_out_dir(cfg, master=True):
         if kept:
             fail(f"{cfg['out_dir']} holds {' and '.join(kept)}, which this run would replace: "
                  f"--overwrite=True replaces them, or choose another out_dir")
+    schedule = ('steps',) if cfg['min_lr'] >= 0 else ()  # with min_lr the cosine decay ends at the last step
     changed = [f"{k} {v!r} there, {cfg[k]!r} here" for k, v in (state or {}).get('config', {}).items()
-               if k in cfg and k not in RUN_KEYS and v != cfg[k]]
-    if changed and master and state['step'] < cfg['steps']:  # a finished run trains nothing more
+               if k in cfg and (k not in RUN_KEYS or k in schedule) and v != cfg[k]]
+    if changed and master and state['step'] < cfg['steps']:
         print(f"warning: --resume=True: the run goes on with settings other than its checkpoint's: {'; '.join(changed)}",
               file=sys.stderr)
+    elif changed and master:  # a finished run trains nothing more
+        print(f"note: --resume=True: the run is finished, so settings other than its checkpoint's change nothing: "
+              f"{'; '.join(changed)}", file=sys.stderr)
     return (state, path) if state is not None else None
 
 

@@ -163,7 +163,9 @@ def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
     p = train(tmp_path, '--steps=1', '--resume=True', '--lr=0.5')  # finished: nothing to train, nothing rewritten
     assert 'resumed from' in p.stdout and (tmp_path / 'config.json').read_text() == saved
     assert 'at step 1: the run is finished (steps=1); --steps=N with a larger N trains it further' in p.stdout
-    assert 'lr' not in p.stderr  # no warning that the run goes on with lr 0.5: it does not go on
+    assert 'goes on' not in p.stderr  # no warning that the run goes on with lr 0.5: it does not go on
+    assert "note: --resume=True: the run is finished, so settings other than its checkpoint's change nothing: " in p.stderr
+    assert p.stderr.rstrip().endswith('0.5 here') and 'lr ' in p.stderr
     p = run_script('sample.py', [f'--out_dir={tmp_path}', '--n_embd=64', '--n=1'], cwd=ROOT,
                    env=dict(os.environ, HF_HUB_OFFLINE='1'))
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith('does not fit this config: n_embd 32 there, 64 here')
@@ -653,6 +655,9 @@ def test_resume_names_the_settings_that_differ_from_the_checkpoint(tmp_path, cap
     with open(tmp_path / 'config.json') as f:
         saved = json.load(f)
     assert (saved['gym'], saved['group_size'], saved['lr'], saved['resume']) == ('example', 2, 5e-4, True)
+    T.main([f'--out_dir={tmp_path}', '--steps=4', '--resume', '--min_lr=0'])  # a cosine schedule ends at steps
+    err = capsys.readouterr().err
+    assert 'steps 3 there, 4 here' in err and 'min_lr -1.0 there, 0.0 here' in err
 
 
 def rss_gb():
