@@ -419,7 +419,10 @@ def logged_numbers(ckpt, split, sampled):
     if not sampled:  # greedy_success and, on memory gyms, greedy_success_k1..
         greedy = prefix + 'greedy_success'
         return {'success_rate' + k[len(greedy):]: v for k, v in rows[-1].items() if k.startswith(greedy)}, None
-    return {k[len(prefix):]: v for k, v in rows[-1].items() if k.startswith(prefix)}, None
+    numbers = {k[len(prefix):]: v for k, v in rows[-1].items() if k.startswith(prefix)}
+    if 'stop_truncated' in numbers:  # logged before the stops named their limit: its stop_max_turns was a gym's budget
+        numbers = {k: v for k, v in numbers.items() if not k.startswith('stop_')}
+    return numbers, None
 
 
 def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
