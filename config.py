@@ -37,14 +37,15 @@ config = dict(
     gguf_file='',                # a .gguf file inside model's folder or Hub repo (transformers dequantises it)
     chat_template='',            # '' = the model's own; 'qwen3' = ours (templates/qwen3.jinja, with tools); or a .jinja path
     n_layer=2, n_head=4, n_embd=128,  # model tiny and tiny-qwen3: the shape of the from-scratch transformer
-    max_len=256,                 # tokens a context may hold; an episode that would pass it stops (truncated)
+    max_len=256,                 # tokens a context may hold; an episode that would pass it stops (stop 'max_len')
     grad_checkpointing=False,    # recompute activations in the backward (Hugging Face models): less memory, slower
     lora_rank=0,                 # > 0: train LoRA adapters of this rank only (optional package peft); 0: every weight
     lora_alpha=32.0,             # LoRA scale alpha / rank
     enable_thinking=False,       # chat templates with a thinking switch (Qwen3)
     require_think=False,         # gym searchqa: every turn needs <think> (always when enable_thinking)
     # rollout
-    max_turns=12,                # policy turns per episode; the episode stops (truncated) after the last
+    max_turns=12,                # policy turns per episode; the rollout stops it after the last (stop 'max_turns';
+                                 # 'budget' where the gym's own budget is max_turns: example, bugfix, quixbugs, searchqa)
     max_response_tokens=6,       # tokens the policy may write in one turn, its stop token included
     temperature=1.0,             # sampling temperature of rollouts (evaluation's greedy runs ignore it)
     keep_tool_results='all',     # 'all' = full history; an int k = MemPO folding (prompt + last <mem> + last k results)

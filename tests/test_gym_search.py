@@ -173,7 +173,7 @@ def test_max_turns(task):
     env.reset(task)
     assert not env.step(SEARCH)[2]
     obs, r, done, info = env.step(SEARCH)
-    assert done and r == 0.0 and info['stop'] == 'max_turns' and obs.startswith('[1]')
+    assert done and r == 0.0 and info['stop'] == 'budget' and obs.startswith('[1]')
 
 
 def test_multi_objective():
