@@ -52,7 +52,7 @@ from tqdm import tqdm
 import report
 from config import (SCRIPTED_KEYS, TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, read_config_file,
                     resolve_dtype)
-from gym import OWNER, load_gym
+from gym import OWNER, GymContractError, OutOfVocabulary, load_gym
 from model import load_policy
 from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
 
@@ -487,7 +487,15 @@ def main_eval(opts, rest):
 
 
 def main(argv):
-    opts, rest = parse_args(argv)
+    """The command line. A gym's mistake met while playing episodes (GymContractError, OutOfVocabulary)
+    stops with one line, as in train.py."""
+    try:
+        return main_episodes(*parse_args(argv))
+    except (OutOfVocabulary, GymContractError) as e:
+        fail(str(e))
+
+
+def main_episodes(opts, rest):
     if opts['eval']:
         return main_eval(opts, rest)
     cfg = load_config(rest)

@@ -372,3 +372,15 @@ def test_a_gym_with_an_unknown_model_kind_or_a_key_without_default_stops_only_it
             load_gym(dict(small_cfg('example'), gym=name), None, config)
         err = capsys.readouterr().err
         assert err == f'error: {needle}\n', err
+
+
+def test_sample_py_meets_a_broken_gym_with_one_line(monkeypatch, capsys):
+    """sample.py used to print a traceback where train.py prints one line."""
+    import gyms.example as ex
+    import sample
+    monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, action, finish='stop': ('obs', 0.0, False))
+    for extra in (['--n=1'], ['--eval', '--eval_tasks=1']):
+        with pytest.raises(SystemExit) as e:
+            sample.main(['config/example.yaml', '--scripted', *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == 'error: GuessEnv.step returned tuple of 3, not (observation, reward, done, info)\n'
