@@ -52,7 +52,7 @@ from tqdm import tqdm
 import report
 from config import (SCRIPTED_KEYS, TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, read_config_file,
                     resolve_dtype)
-from gym import OWNER, GymContractError, OutOfVocabulary, load_gym
+from gym import OWNER, TRUNCATED, GymContractError, OutOfVocabulary, load_gym
 from model import load_policy
 from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
 
@@ -466,8 +466,8 @@ def main_eval(opts, rest):
                   temperature={'sampled': cfg['temperature'], 'greedy': 0.0}.get(decoding), split=opts['split'],
                   tasks=numbers['episodes'] // samples,
                   samples=samples, **numbers, wall_s=round(time.time() - t0, 1))
-    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate', 'format_ok', 'turn_format_ok',
-            'hop_share']
+    keys = ['em', 'f1', 'success_rate', 'reward_mean', 'turns_mean', 'tt', 'pt', 'truncation_rate',
+            *(f'stop_{why}' for why in TRUNCATED), 'format_ok', 'turn_format_ok', 'hop_share']  # stop_*: which limit cut
     names = dict(tt='tokens processed per episode (tt)', pt='peak context (pt)')  # the JSON keeps the short keys
     print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {samples}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "

@@ -462,6 +462,9 @@ def test_scripted_evaluates_the_gyms_warm_start_policy_without_a_model(tmp_path,
     assert [e['task'] for e in saved['per_episode']] == [t.id for t in tasks] and len(set(e['task'] for e in saved['per_episode'])) == 12
     assert all(e['success'] and e['em'] == 1.0 and e['stop'] == 'answer' for e in saved['per_episode'])
     assert 'per_episode' not in numbers  # the printed line stays one short JSON object
+    sample.main(['config/tiny_mem.yaml', '--eval', '--scripted', '--eval_tasks=4', '--show=0', '--max_turns=1',
+                 f'--out_dir={tmp_path}'])  # every episode cut: the line says by which limit
+    assert ', truncation_rate 1.000, stop_max_len 0.000, stop_max_turns 1.000, stop_budget 0.000, ' in capsys.readouterr().out
     with pytest.raises(SystemExit):  # a split the gym lacks: refused before the policy line
         sample.main(['config/tiny_mem.yaml', '--eval', '--scripted', '--split=val', f'--out_dir={tmp_path}'])
     out = capsys.readouterr()
