@@ -22,21 +22,22 @@ class GuessEnv:
         self.max_turns = max_turns
 
     def reset(self, task):
-        self.secret, self.turns = task, 0
+        self.secret, self.turns, self.n_invalid = task, 0, 0
         return PROMPT
 
     def step(self, action, finish='stop'):
-        """(observation, reward, done, info); a cut turn (finish 'length') is a malformed call."""
+        """(observation, reward, done, info); a cut turn (finish 'length') is a malformed call. info at the end
+        counts turns and malformed calls (n_invalid; sample.py prints it)."""
         self.turns += 1
         words = action.split()
         if finish != 'stop' or words[:2] != ['<call>', 'guess'] or len(words) != 4 or not words[2].isdigit():
-            obs = 'error : malformed call'
+            obs, self.n_invalid = 'error : malformed call', self.n_invalid + 1
         elif int(words[2]) == self.secret:
-            return 'correct', 1.0, True, dict(success=True, stop='answer', n_turns=self.turns)
+            return 'correct', 1.0, True, dict(success=True, stop='answer', n_turns=self.turns, n_invalid=self.n_invalid)
         else:
             obs = 'higher' if int(words[2]) < self.secret else 'lower'
         if self.turns >= self.max_turns:
-            return obs, 0.0, True, dict(success=False, stop='budget', n_turns=self.turns)
+            return obs, 0.0, True, dict(success=False, stop='budget', n_turns=self.turns, n_invalid=self.n_invalid)
         return obs, 0.0, False, {}
 
 

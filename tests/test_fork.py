@@ -72,6 +72,19 @@ def test_example_gym_trains_from_its_config(tmp_path):
     assert all(r['logp_gap_max'] <= 2e-5 and r['bad_steps'] == 0 for r in rows[1:])
 
 
+def test_example_gym_counts_malformed_calls():
+    """The gym to copy counts malformed calls (info n_invalid, sample.py's `invalid calls`), as bugfix and memory do."""
+    import gyms.example as ex
+    env = ex.GuessEnv(max_turns=3)
+    env.reset(5)
+    assert env.step('<call> guess five </call>')[:3] == ('error : malformed call', 0.0, False)
+    assert env.step('<call> guess 1 </call>', finish='length')[0] == 'error : malformed call'  # cut at the token limit
+    obs, reward, done, info = env.step('<call> guess 1 </call>')
+    assert (obs, reward, done, info) == ('higher', 0.0, True, dict(success=False, stop='budget', n_turns=3, n_invalid=2))
+    env.reset(5)
+    assert env.step('<call> guess 5 </call>')[3] == dict(success=True, stop='answer', n_turns=1, n_invalid=0)
+
+
 def test_gspo_is_a_small_change_of_policy_loss(monkeypatch, tmp_path):
     """Hand-computed: a row whose two tokens moved by +0.2 and -0.6 has sequence ratio exp(-0.2) on both
     tokens; with advantage +1 and token-mean weights the loss is -exp(-0.2). Swapped into train.py,
