@@ -116,7 +116,7 @@ def checked_step(env, action, finish):
         raise GymContractError(f"{name}.step returned reward {reward!r} before done; rewards are per episode, "
                                f"given with done=True")
     elif not isinstance(obs, str):  # encoding it would fail deep inside the tokenizer
-        raise GymContractError(f"{name}.step returned a {type(obs).__name__} observation, not text (str)")
+        raise GymContractError(f"{name}.step returned an observation of type {type(obs).__name__}, not text (str)")
     info = dict(info or {})
     info.setdefault('turn_ok', finish == 'stop')
     return obs, float(reward), done, info
@@ -213,7 +213,8 @@ def gym_module(cfg, defaults=None):
 
 
 def load_gym(cfg, vocab=None, defaults=None):
-    """Set up the gym cfg['gym'] -> the dict its setup returns (see the contract above).
+    """Set up the gym cfg['gym'] -> the dict its setup returns (see the contract above), its eval_tasks
+    cut to the first cfg['eval_tasks'] (0 = all).
 
     vocab: a checkpoint's tiny vocabulary (list of words) or None. defaults: the config defaults
     (config.config), for gym_module's key check. Every error exits with status 2 and one line: those
@@ -239,6 +240,8 @@ def load_gym(cfg, vocab=None, defaults=None):
     if cfg.get('eval_tasks', 0) > len(gym_['eval_tasks']):  # a silent cap would report fewer tasks than asked
         fail(f"config key 'eval_tasks' asks for {cfg['eval_tasks']} held-out tasks; gym {name!r} has "
              f"{len(gym_['eval_tasks'])} (0 = all of them)")
+    if cfg.get('eval_tasks'):  # the first eval_tasks, also where setup returned all it has (the example gym)
+        gym_['eval_tasks'] = gym_['eval_tasks'][:cfg['eval_tasks']]
     missing = getattr(gym_['tok'], 'missing', None)
     if missing:
         fail(f"the checkpoint's vocabulary lacks {len(missing)} words of gym {name!r} (e.g. {missing[0]!r})")

@@ -255,7 +255,7 @@ def test_a_step_without_text_stops_in_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         train.main(['config/example.yaml', '--warmstart_episodes=4', '--warmstart_steps=2', f'--out_dir={tmp_path}'])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == 'error: warm start: GuessEnv.step returned a NoneType observation, not text (str)\n'
+    assert e.value.code == 2 and err == 'error: warm start: GuessEnv.step returned an observation of type NoneType, not text (str)\n'
 
 
 def test_a_reward_before_the_episode_ends_stops_in_one_line(tmp_path, monkeypatch, capsys):
@@ -384,3 +384,11 @@ def test_sample_py_meets_a_broken_gym_with_one_line(monkeypatch, capsys):
             sample.main(['config/example.yaml', '--scripted', *extra])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err == 'error: GuessEnv.step returned tuple of 3, not (observation, reward, done, info)\n'
+
+
+def test_eval_tasks_takes_the_first_of_a_gym_that_returns_all(tmp_path):
+    """The example gym returns all 8 secrets as held-out tasks; --eval_tasks=4 was saved as 4 and
+    evaluated 8. load_gym takes the first eval_tasks of them, for every gym and fork."""
+    cfg = load_config(['config/example.yaml', '--eval_tasks=4', f'--out_dir={tmp_path}'])
+    assert load_gym(cfg)['eval_tasks'] == [0, 1, 2, 3]
+    assert len(load_gym(dict(cfg, eval_tasks=0))['eval_tasks']) == 8  # 0 = all of them
