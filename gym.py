@@ -29,7 +29,8 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
 An env (make_env()) has
     reset(task) -> the prompt text
     step(action_text, finish='stop') -> (observation text, reward float, done bool, info dict)
-        reward is the episode's outcome, given with done=True (0 before). action_text is the
+        reward is the episode's outcome, given with done=True (0 before). The observation that comes
+        with done=True is never shown to the policy, so it is not read (None or '' will do). action_text is the
         policy's decoded turn. finish is 'length' when the turn reached max_response_tokens without
         its stop token: the env then runs no tool and answers as to a malformed turn (a turn used).
         When done, info holds `success` (bool, the task solved) and `stop` (one of STOPS). info may
@@ -85,7 +86,7 @@ def checked_step(env, action, finish):
     a NaN would poison its group's mean and std. info always holds turn_ok. Raises GymContractError (the gym is
     broken in every episode) for a result that is not a 4-tuple, a finished episode's info without
     success or a stop in STOPS, an info that is not a dict, a reward before done, or an observation that
-    is not text."""
+    is not text before done (at done it is not read)."""
     name = type(env).__name__
     try:
         out = env.step(action, finish)

@@ -572,13 +572,12 @@ def scripted_actions(task, policy="oracle"):
 # ----------------------------------------------------------------------------- the gym contract (gym.py)
 
 def setup(cfg, vocab=None):
-    """The 24 training programs and the first eval_tasks of the 7 held-out ones (0 = all); the four tools'
+    """The 24 training programs and the 7 held-out ones (gym.load_gym keeps the first eval_tasks); the four tools'
     schemas in the system turn of the policy's chat template. The warm start imitates the oracle
     (scripted_actions) on training programs: it teaches the tool calls, and fixes of programs never evaluated."""
     tok = hf.load_tokenizer(cfg["model"], cfg["gguf_file"], cfg["chat_template"])
-    eval_tasks = make_tasks("heldout")
     return dict(tok=tok, fmt=hf.chat_format(tok, tools=tool_schemas(), enable_thinking=cfg["enable_thinking"]),
-                train_tasks=make_tasks("train"), eval_tasks=eval_tasks[:cfg["eval_tasks"] or len(eval_tasks)],
+                train_tasks=make_tasks("train"), eval_tasks=make_tasks("heldout"),
                 make_env=lambda: QuixBugsEnv(max_turns=cfg["max_turns"]), baselines={},
                 warm_policy=lambda rng: oracle_turn, answer_text=None)
 

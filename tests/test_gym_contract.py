@@ -392,3 +392,22 @@ def test_eval_tasks_takes_the_first_of_a_gym_that_returns_all(tmp_path):
     cfg = load_config(['config/example.yaml', '--eval_tasks=4', f'--out_dir={tmp_path}'])
     assert load_gym(cfg)['eval_tasks'] == [0, 1, 2, 3]
     assert len(load_gym(dict(cfg, eval_tasks=0))['eval_tasks']) == 8  # 0 = all of them
+
+
+def test_sample_py_eval_names_the_episodes_a_raising_env_made_invalid(monkeypatch, capsys):
+    """An env that raises in some episodes ends them invalid (reward 0); sample.py --eval counted them
+    only in the JSON's stops ('env_error'), not on the line a user reads."""
+    import gyms.example as ex
+    import sample
+    step = ex.GuessEnv.step
+    def flaky(self, action, finish='stop'):
+        if self.secret % 2:
+            raise RuntimeError('tool server down')
+        return step(self, action, finish)
+    monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    numbers = sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert numbers['invalid_episodes'] == 2 == numbers['stops']['env_error'] and line.endswith(', invalid_episodes 2')
+    monkeypatch.setattr(ex.GuessEnv, 'step', step)
+    sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
+    assert 'invalid_episodes' not in capsys.readouterr().out.splitlines()[-2]  # said only when it happened
