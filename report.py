@@ -16,6 +16,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
+from config import all_reduce, rank
 from gym import TRUNCATED, fail
 
 CURVES = 'curves.png'        # file names inside out_dir
@@ -44,6 +45,25 @@ def summarise(t):
         out['mem_pairs'] = [(r, q) for r, q in zip(t.info['mem_rewards'], t.info.get('mem_quality_turns', ()))
                             if r is not None and q is not None]
     return out
+
+
+def check_invalid(trajs, what):
+    """Invalid episodes (the gym's step raised, or its reward was not a finite number) weigh 0 in the
+    update and the warm start and count as failures in an evaluation; one stderr line per `what` (the
+    warm start, RL, an evaluation) says so once, naming the first error. All invalid: the gym is
+    broken, exit 2 with one line (train.py and sample.py alike)."""
+    bad = [t.info.get('error', 'invalid') for t in trajs if not t.valid]
+    n_bad, n = all_reduce(float(len(bad))), all_reduce(float(len(trajs)))
+    if n_bad and n_bad == n:
+        fail(f"{what}: every episode is invalid; the first: {bad[0]}")
+    if n_bad and what not in _WARNED and rank() == 0:
+        _WARNED.add(what)
+        fate = {'RL': ', left out of the update, logged as invalid_episodes', 'warm start': ', not imitated'}.get(what, '')
+        print(f"warning: {what}: {n_bad:.0f} of {n:.0f} episodes invalid (reward 0{fate}); the first: {bad[0]}",
+              file=sys.stderr)
+
+
+_WARNED = set()
 
 
 def episode_metrics(eps, prefix=''):

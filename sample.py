@@ -120,6 +120,7 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_B
         chunk = tasks[i:i + per]
         trajs += run_tasks(policy_for(model, len(chunk) * samples, rng), gym_, cfg, chunk, samples, generator=gen,
                            temperature=0.0 if greedy else None)
+    report.check_invalid(trajs, f"evaluation ({'greedy' if greedy else 'sampled'})")  # as train.py's: warn, or stop
     n = max(len(trajs), 1)
     out = dict(episodes=len(trajs), **report.episode_metrics([report.summarise(t) for t in trajs]),
                turns_mean=sum(len(t.turns) for t in trajs) / n,

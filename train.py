@@ -268,7 +268,7 @@ def evaluate(model, gym_, cfg, step):
             per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
             trajs = [t for i in range(0, len(tasks), per_batch)
                      for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
-            check_invalid(trajs, f"evaluation ({'greedy' if temp == 0 else 'sampled'})")
+            report.check_invalid(trajs, f"evaluation ({'greedy' if temp == 0 else 'sampled'})")
             eps = gather([report.summarise(t) for t in trajs])
             m = report.episode_metrics(eps, prefix)
             if key == greedy_key:  # success, and on memory gyms success by parts (greedy_success_k1..)
@@ -306,7 +306,7 @@ def scripted_episodes(gym_, cfg, rng, what='warm start'):
     tasks = [rng.choice(gym_['train_tasks']) for _ in range(n)]
     policies = [gym_['warm_policy'](rng) for _ in range(n)]
     trajs = run_tasks(policies, gym_, cfg, tasks)
-    check_invalid(trajs, what)
+    report.check_invalid(trajs, what)
     cut = sum(u['finish'] == 'length' and u['train'] for t in trajs for u in t.turns)
     if cut and rank() == 0:  # the policy would learn a turn that never ends
         print(f"warning: {what}: {cut} of {sum(len(t.turns) for t in trajs)} scripted turns are cut at max_response_"
@@ -355,23 +355,6 @@ def warm_start(model, gym_, cfg, rng):
 
 # -----------------------------------------------------------------------------
 # set-up, the run
-
-
-def check_invalid(trajs, what):
-    """Invalid episodes (the gym's step raised, or its reward was not a finite number) weigh 0 in the
-    update and the warm start; one stderr line says so once. All invalid: the gym is broken, exit 2."""
-    bad = [t.info.get('error', 'invalid') for t in trajs if not t.valid]
-    n_bad, n = all_reduce(float(len(bad))), all_reduce(float(len(trajs)))
-    if n_bad and n_bad == n:
-        fail(f"{what}: every episode is invalid; the first: {bad[0]}")
-    if n_bad and what not in _WARNED and rank() == 0:
-        _WARNED.add(what)
-        fate = {'RL': ', left out of the update, logged as invalid_episodes', 'warm start': ', not imitated'}.get(what, '')
-        print(f"warning: {what}: {n_bad:.0f} of {n:.0f} episodes invalid (reward 0{fate}); the first: {bad[0]}",
-              file=sys.stderr)
-
-
-_WARNED = set()
 
 
 def learning_rate(step, cfg):
@@ -474,7 +457,7 @@ def main(argv):
         # roll out: token-in/token-out episodes, sampled log-probs kept (rollout.py)
         trajs = run_tasks(model, gym_, cfg, [tasks[g] for g in mine], cfg['group_size'], mine, gen)
         rollout_time_s = time.time() - t0
-        check_invalid(trajs, 'RL')  # invalid episodes stay in the batch with weight 0
+        report.check_invalid(trajs, 'RL')  # invalid episodes stay in the batch with weight 0
         if n_groups > cfg['batch_size']:  # dynamic sampling: groups with signal first (one process)
             trajs, sampled_zero_var = keep_groups_with_signal(trajs, cfg['batch_size'], cfg['truncation_penalty'])
         batch = collate(trajs, gym_['fmt'].pad_id, cfg['pack_turns'])  # rows: one per episode, or per turn when folded

@@ -7,6 +7,7 @@ import random
 import pytest
 
 import gym
+import report
 from config import config, load_config
 from gym import STOPS, SETUP_KEYS, WordTokenizer, build_tokenizer, load_gym, word_format
 from rollout import rollout_batch, run_tasks
@@ -222,7 +223,7 @@ def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, 
             return 'obs', None, True, dict(success=False, stop='over')  # a reward of None
         return step(self, action, finish)
     monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
-    monkeypatch.setattr(train, '_WARNED', set())
+    monkeypatch.setattr(report, '_WARNED', set())
     collated, collate = [], train.collate
     monkeypatch.setattr(train, 'collate', lambda trajs, *a: collated.append([t.valid for t in trajs]) or collate(trajs, *a))
     train.main(['config/example.yaml', '--warmstart_episodes=8', '--warmstart_steps=2', '--steps=2', '--eval_every=0',
@@ -405,9 +406,18 @@ def test_sample_py_eval_names_the_episodes_a_raising_env_made_invalid(monkeypatc
             raise RuntimeError('tool server down')
         return step(self, action, finish)
     monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    monkeypatch.setattr(report, '_WARNED', set())
     numbers = sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
-    line = capsys.readouterr().out.splitlines()[-2]
+    out = capsys.readouterr()
+    line = out.out.splitlines()[-2]
     assert numbers['invalid_episodes'] == 2 == numbers['stops']['env_error'] and line.endswith(', invalid_episodes 2')
+    assert out.err == ('warning: evaluation (greedy): 2 of 4 episodes invalid (reward 0); the first: '
+                       'RuntimeError: tool server down\n')  # why, in one line, as train.py says it
+    monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, action, finish='stop': 1 / 0)
+    with pytest.raises(SystemExit) as e:  # every episode invalid: the gym is broken, as train.py stops
+        sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
+    assert e.value.code == 2 and capsys.readouterr().err == ('error: evaluation (greedy): every episode is invalid; '
+                                                             'the first: ZeroDivisionError: division by zero\n')
     monkeypatch.setattr(ex.GuessEnv, 'step', step)
     sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
     assert 'invalid_episodes' not in capsys.readouterr().out.splitlines()[-2]  # said only when it happened
