@@ -346,7 +346,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
         state, path = report.load_latest_checkpoint(cfg['out_dir'], 'add --untrained')
     if state is None and not untrained:  # a typo, or no run yet, must not quietly give an untrained policy's numbers
         fail(f"no checkpoint in {cfg['out_dir']} (add --untrained to run the untrained policy)" if os.path.isdir(cfg['out_dir'])
-             else f"no such folder: {cfg['out_dir']} (--out_dir names a run's folder)")
+             else f"no such folder: {cfg['out_dir']} (--out_dir names a run's folder; train first, or add --untrained or --scripted)")
     if state is not None:  # the checkpoint's config builds the gym and the model; argv still overrides
         cfg = load_saved_config(rest, state['config'])
         for key in ('gym', 'model'):  # the weights (and a tiny model's vocabulary) belong to these

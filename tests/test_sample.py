@@ -290,8 +290,8 @@ def test_log_external_is_a_no_op_unless_asked(tmp_path):
 
 
 @pytest.mark.parametrize('script, args, needle', [
-    ('sample.py', ['--out_dir=/nonexistent/run'], "no such folder: /nonexistent/run (--out_dir names a run's folder)"),
-    ('sample.py', ['--eval', '--out_dir=/nonexistent/run'], "no such folder: /nonexistent/run (--out_dir names a run's folder)"),
+    ('sample.py', ['--out_dir=/nonexistent/run'], "no such folder: /nonexistent/run (--out_dir names a run's folder; train first, or add --untrained or --scripted)"),
+    ('sample.py', ['--eval', '--out_dir=/nonexistent/run'], "no such folder: /nonexistent/run (--out_dir names a run's folder; train first, or add --untrained or --scripted)"),
     ('sample.py', ['--eval', '--sampled', '--eval_samples=0', '--untrained'], "config key 'eval_samples' must be >= 1, got 0"),
     ('sample.py', ['--eval', '--sampled', '--samples=4', '--untrained'], "--samples: --sampled rolls out the config's eval_samples"),
     ('sample.py', ['--eval', '--ckpt=tests'], '--ckpt=tests is a folder: --out_dir=tests runs its newest checkpoint'),
@@ -327,7 +327,7 @@ def test_a_config_whose_out_dir_holds_no_run_is_refused_too(tmp_path, capsys):
     (tmp_path / 'c.yaml').write_text(f"out_dir: {tmp_path / 'none'}\n")
     with pytest.raises(SystemExit) as e:
         sample.main([str(tmp_path / 'c.yaml')])
-    assert e.value.code == 2 and f"no such folder: {tmp_path / 'none'} (--out_dir names a run's folder)" in capsys.readouterr().err
+    assert e.value.code == 2 and f"no such folder: {tmp_path / 'none'} (--out_dir names a run's folder; train first, or add --untrained or --scripted)" in capsys.readouterr().err
     (tmp_path / 'none').mkdir()  # a folder, but no run in it
     with pytest.raises(SystemExit) as e:
         sample.main([str(tmp_path / 'c.yaml')])
