@@ -397,7 +397,8 @@ def test_eval_tasks_takes_the_first_of_a_gym_that_returns_all(tmp_path):
 
 def test_sample_py_eval_names_the_episodes_a_raising_env_made_invalid(monkeypatch, capsys):
     """An env that raises in some episodes ends them invalid (reward 0); sample.py --eval counted them
-    only in the JSON's stops ('env_error'), not on the line a user reads."""
+    only in the JSON's stops ('env_error'): not on the line a user reads, without the error, and with
+    exit 0 when every episode was invalid. Now it warns and stops as train.py does."""
     import gyms.example as ex
     import sample
     step = ex.GuessEnv.step
