@@ -69,7 +69,8 @@ _WARNED = set()
 def episode_metrics(eps, prefix=''):
     """Means over episode summaries (reward_nonzero: the share of episodes whose reward is not 0,
     what a sparse reward gives GRPO to work with; truncation_rate, and stop_<reason> the share cut by
-    each limit in gym.TRUNCATED); memory gyms add EM/F1/TT/PT and truncation overall and per
+    each limit in gym.TRUNCATED; invalid_episodes, a count, not a share: episodes whose env raised or
+    paid a non-number, check_invalid); memory gyms add EM/F1/TT/PT and truncation overall and per
     objective count k (and success_rate_k), and the memory gym's mem_quality (gyms/memory.py memory_quality) and
     hop_share (the share of the question's hops found in order, MemoryEnv), each the mean over the episodes that have one.
     Format, for gyms whose env reports format_ok (the <mem> turn format): format_ok, the fraction of
@@ -81,6 +82,7 @@ def episode_metrics(eps, prefix=''):
            f'{prefix}reward_nonzero': sum(e['reward'] != 0 for e in eps) / n,  # the share a sparse reward (EM, F1) rewards at all
            f'{prefix}success_rate': sum(e['success'] for e in eps) / n,
            f'{prefix}truncation_rate': sum(e['stop'] in TRUNCATED for e in eps) / n,  # out of turns or context
+           f'{prefix}invalid_episodes': sum(not e['valid'] for e in eps),  # a count: the env raised or paid a non-number
            **{f'{prefix}stop_{why}': sum(e['stop'] == why for e in eps) / n for why in TRUNCATED},  # which limit
            f'{prefix}tt': sum(e.get('tt', 0) for e in eps) / n,  # tokens processed per episode
            f'{prefix}pt': sum(e.get('pt', 0) for e in eps) / n}  # mean over episodes of the peak context

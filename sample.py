@@ -105,7 +105,7 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
 def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_BATCH, split='heldout', step=0):
     """Every task of gym_'s split (held-out by default), `samples` times, `batch` episodes per rollout batch. Returns
     (metrics dict, trajectories): train.py's episode metrics (format validity among them) plus turns,
-    invalid turns, invalid episodes (train.py's invalid_episodes) and stop reasons. Sampling draws from the generator train.py's evaluation at training step
+    invalid turns and stop reasons. Sampling draws from the generator train.py's evaluation at training step
     `step` draws from (rollout.eval_generator), and the default batch is train.py's: a checkpoint of that
     step gives the numbers its run logged (greedy: eval_greedy_success; samples=eval_samples, greedy=False:
     eval_success_rate and the other eval_* metrics; eval_val_* with split='val'). The training split: its
@@ -125,7 +125,6 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_B
     out = dict(episodes=len(trajs), **report.episode_metrics([report.summarise(t) for t in trajs]),
                turns_mean=sum(len(t.turns) for t in trajs) / n,
                invalid_turns_mean=sum(t.info.get('n_invalid', 0) for t in trajs) / n,
-               invalid_episodes=sum(not t.valid for t in trajs),  # the env raised or paid a non-number: reward 0
                stops=dict(Counter(str(t.info.get('stop')) for t in trajs)))
     return out, trajs
 

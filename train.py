@@ -474,8 +474,8 @@ def main(argv):
         release_memory()  # freed activations back to the system when it runs short: a CPU heap ratchets up
         # log the episodes of every rank, the advantages and the update; evaluate; save
         eps = gather([report.summarise(t) for t in trajs])
-        log = dict(step=step, lr=lr, **report.episode_metrics(eps), invalid_episodes=sum(not e['valid'] for e in eps),
-                   tokens=sum(e.get('tt', 0) for e in eps), turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
+        log = dict(step=step, lr=lr, **report.episode_metrics(eps), tokens=sum(e.get('tt', 0) for e in eps),
+                   turns_mean=sum(e.get('n_turns', 0) for e in eps) / len(eps),
                    mem_tokens_mean=all_reduce(float(batch['mem_mask'].sum())) / len(eps), peak_memory_gb=peak_gb,
                    **{k: all_reduce(v) / world_size() for k, v in adv_stats.items()}, **m, step_time_s=time.time() - t0,
                    rollout_time_s=rollout_time_s, update_time_s=update_time_s)

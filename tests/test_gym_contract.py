@@ -234,6 +234,8 @@ def test_a_gym_whose_step_breaks_sometimes_warns_once_and_counts_them(tmp_path, 
     assert 'episodes invalid' in err and "the first: reward None is a NoneType, not a number (int or float)" in err
     rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
     assert all(r['invalid_episodes'] > 0 for r in rows if r['step'] > 0)
+    evals = [r for r in rows if 'eval_success_rate' in r]  # step 0 and the last step: the sampled evaluation's count
+    assert len(evals) == 2 and all(r['eval_invalid_episodes'] > 0 for r in evals)
 
 
 def test_a_reset_without_text_stops_before_the_warm_start(tmp_path, monkeypatch, capsys):
