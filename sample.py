@@ -443,7 +443,8 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
     if batch != EVAL_EPISODES_PER_BATCH:
         settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')
     keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]
-    shown = ', '.join(f'{k} {shared[k]:.3f}' + (f' (here {numbers[k]:.3f})' if k in differ else '') for k in keys)
+    num = lambda v: f'{v:.3f}' if isinstance(v, float) else str(v)  # a count (invalid_episodes) stays a count
+    shown = ', '.join(f'{k} {num(shared[k])}' + (f' (here {num(numbers[k])})' if k in differ else '') for k in keys)
     verdict = 'the same' if not differ else 'not the same'
     reason = ('; this evaluation differs in: ' + '; '.join(settings) if settings else
               '' if not differ else ', with the same settings (rounding on another machine or torch build, or an edited log)')

@@ -538,6 +538,10 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
         assert 'note: nothing logged to compare with: ' in capsys.readouterr().out
     old_names = dict({k: v for k, v in logged.items() if not k.startswith('eval_stop_')},  # stop names before 3fc0302
                      eval_stop_truncated=0.0, eval_stop_max_turns=0.5, eval_stop_budget=0.0)
+    (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **dict(logged, eval_invalid_episodes=1))) + '\n')
+    edited = sample.main([ckpt, '--eval', '--show=0', '--sampled'])  # an edited count: said as a count
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert not edited['logged']['same'] and ': invalid_episodes 1 (here 0): not the same' in line, line
     (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **old_names)) + '\n')
     old = sample.main([ckpt, '--eval', '--show=0', '--sampled'])['logged']
     assert old['same'] and 'tt' in old['numbers'] and not any(k.startswith('stop_') for k in old['numbers']), old
