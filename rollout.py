@@ -284,6 +284,7 @@ def run_tasks(policy, gym_, cfg, tasks, group_size=1, groups=None, generator=Non
 EVAL_EPISODES_PER_BATCH = 512  # an evaluation rolls out at most this many episodes at once
 EVAL_SEED_OFFSETS = {'eval_tasks': 0, 'val_tasks': 1 << 32, 'train_tasks': 2 << 32}  # a split's own stream
 EVAL_PREFIX = {'eval_tasks': 'eval_', 'val_tasks': 'eval_val_'}  # a split's logged metrics (train.py never evaluates train_tasks)
+SPLIT_NAMES = {'eval_tasks': 'held-out', 'val_tasks': 'validation', 'train_tasks': 'training'}  # as messages name them
 
 
 def eval_generator(cfg, split, step, rank=0):

@@ -54,7 +54,7 @@ from config import (SCRIPTED_KEYS, TRAINING_KEYS, config, fail, load_config, loa
                     resolve_dtype)
 from gym import OWNER, TRUNCATED, GymContractError, OutOfVocabulary, load_gym
 from model import load_policy
-from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, eval_generator, run_tasks
+from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, SPLIT_NAMES, eval_generator, run_tasks
 
 OWNER_NAME = {v: k for k, v in OWNER.items()}
 OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scripted=False, metrics_rollout='', curves='',
@@ -65,7 +65,6 @@ OPTIONS = dict(split='heldout', n=4, html='', greedy=False, untrained=False, scr
 
 
 SPLITS = {'heldout': 'eval_tasks', 'train': 'train_tasks', 'val': 'val_tasks'}  # --split -> the gym's tasks
-SPLIT_NAMES = {'heldout': 'held-out', 'train': 'training', 'val': 'validation'}
 # keys an evaluation of a checkpoint does not read: where it is, how it was trained, the scripted policy's mistakes
 NOT_EVALUATION_KEYS = ('out_dir', 'device', *TRAINING_KEYS, *SCRIPTED_KEYS)
 
@@ -120,7 +119,7 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_B
         chunk = tasks[i:i + per]
         trajs += run_tasks(policy_for(model, len(chunk) * samples, rng), gym_, cfg, chunk, samples, generator=gen,
                            temperature=0.0 if greedy else None)
-    report.check_invalid(trajs, f"evaluation ({'greedy' if greedy else 'sampled'})")  # as train.py's: warn, or stop
+    report.check_invalid(trajs, f"evaluation ({SPLIT_NAMES[SPLITS[split]]}, {'greedy' if greedy else 'sampled'})")  # as train.py's: warn, or stop
     n = max(len(trajs), 1)
     out = dict(episodes=len(trajs), **report.episode_metrics([report.summarise(t) for t in trajs]),
                turns_mean=sum(len(t.turns) for t in trajs) / n,
@@ -227,7 +226,7 @@ def _episode_html(k, t, decode, adv):
     head = (f'episode {k} · task {html.escape(str(_task_id(t.task)))} · <span class="{ok}">reward '
             f'{t.reward:g} · stop {html.escape(str(info.get("stop")))}</span> · {info.get("n_turns")} turns · '
             f'{len(ids)} tokens · processed {info.get("tt")} · peak context {info.get("pt")}'
-            + ('' if t.valid else ' · <span class="fail">INVALID</span>'))
+            + ('' if t.valid else f' · <span class="fail">INVALID {html.escape(str(info.get("error", "")))}</span>'))
     parts = [f'<section class="episode" data-episode="{k}" data-reward="{t.reward:g}" '
              f'data-stop="{html.escape(str(info.get("stop")))}"><h2>{head}</h2>']
     row = None
@@ -361,7 +360,8 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
-    gym_ = load_gym(cfg, state.get('vocab') if state else None, config)
+    # --split=train: eval_tasks counts the training tasks evaluated (evaluate), not the held-out ones the gym cuts
+    gym_ = load_gym(dict(cfg, eval_tasks=0) if split == 'train' else cfg, state.get('vocab') if state else None, config)
     split_tasks(gym_, split)  # a split the gym lacks: refused before anything is printed or loaded
     if scripted:
         if gym_['warm_policy'] is None:
@@ -472,7 +472,7 @@ def main_eval(opts, rest):
             *(f'stop_{why}' for why in TRUNCATED), 'format_ok', 'turn_format_ok', 'hop_share']  # stop_*: which limit cut
     keys += ['invalid_episodes'] if result['invalid_episodes'] else []  # a broken env: said only when it happened
     names = dict(tt='tokens processed per episode (tt)', pt='peak context (pt)')  # the JSON keeps the short keys
-    print(f"{policy} on {result['tasks']} {SPLIT_NAMES[opts['split']]} {cfg['gym']} tasks x {samples}, {result['decoding']}, "
+    print(f"{policy} on {result['tasks']} {SPLIT_NAMES[SPLITS[opts['split']]]} {cfg['gym']} tasks x {samples}, {result['decoding']}, "
           f"keep_tool_results={cfg['keep_tool_results']}: "
           + ', '.join(f'{names.get(k, k)} {result[k]:.3f}' if isinstance(result[k], float) else f'{names.get(k, k)} {result[k]}'
                       for k in keys if k in result))
@@ -517,9 +517,9 @@ def main_episodes(opts, rest):
         trajs = run_episodes(model, gym_, cfg, opts['split'], opts['n'], opts['greedy'])
     for t in trajs:
         print_episode(t, gym_['tok'])
-    n = len(trajs)
+    n, n_bad = len(trajs), sum(not t.valid for t in trajs)
     print(f"{n} episodes: mean reward {sum(t.reward for t in trajs) / n:.3f}, "
-          f"success {sum(bool(t.info.get('success')) for t in trajs) / n:.3f}")
+          f"success {sum(bool(t.info.get('success')) for t in trajs) / n:.3f}" + (f", invalid {n_bad}" if n_bad else ''))
     if opts['html']:
         print('wrote', write_html(opts['html'], trajs, gym_['tok'], advantages, 'nanoagent · ' + title))
 

@@ -31,7 +31,7 @@ from config import all_reduce, check_run, config, fail, gather, init_distributed
 from gym import GymContractError, OutOfVocabulary, load_gym
 from model import (autocast, batch_log_probs, batch_rows, fold_lora, is_reference, load_policy, merged, micro_batches,
                    peak_memory_gb, reference_log_probs, reference_of, release_memory, sequence_log_probs, update_mode)
-from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, collate, episode_rows, eval_generator, full_history_row, run_tasks
+from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, SPLIT_NAMES, collate, episode_rows, eval_generator, full_history_row, run_tasks
 
 # -----------------------------------------------------------------------------
 # the loss: one short function a forker replaces (README, "Swap the loss")
@@ -268,7 +268,7 @@ def evaluate(model, gym_, cfg, step):
             per_batch = max(1, EVAL_EPISODES_PER_BATCH // reps)  # bounded memory however many tasks are asked for
             trajs = [t for i in range(0, len(tasks), per_batch)
                      for t in run_tasks(model, gym_, cfg, tasks[i:i + per_batch], reps, generator=gen, temperature=temp)]
-            report.check_invalid(trajs, f"evaluation ({'greedy' if temp == 0 else 'sampled'})")
+            report.check_invalid(trajs, f"evaluation ({SPLIT_NAMES[split]}, {'greedy' if temp == 0 else 'sampled'})")
             eps = gather([report.summarise(t) for t in trajs])
             m = report.episode_metrics(eps, prefix)
             if key == greedy_key:  # success, and on memory gyms success by parts (greedy_success_k1..)

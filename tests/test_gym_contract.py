@@ -414,13 +414,45 @@ def test_sample_py_eval_names_the_episodes_a_raising_env_made_invalid(monkeypatc
     out = capsys.readouterr()
     line = out.out.splitlines()[-2]
     assert numbers['invalid_episodes'] == 2 == numbers['stops']['env_error'] and line.endswith(', invalid_episodes 2')
-    assert out.err == ('warning: evaluation (greedy): 2 of 4 episodes invalid (reward 0); the first: '
+    assert out.err == ('warning: evaluation (held-out, greedy): 2 of 4 episodes invalid (reward 0); the first: '
                        'RuntimeError: tool server down\n')  # why, in one line, as train.py says it
     monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, action, finish='stop': 1 / 0)
     with pytest.raises(SystemExit) as e:  # every episode invalid: the gym is broken, as train.py stops
         sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
-    assert e.value.code == 2 and capsys.readouterr().err == ('error: evaluation (greedy): every episode is invalid; '
+    assert e.value.code == 2 and capsys.readouterr().err == ('error: evaluation (held-out, greedy): every episode is invalid; '
                                                              'the first: ZeroDivisionError: division by zero\n')
     monkeypatch.setattr(ex.GuessEnv, 'step', step)
     sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
     assert 'invalid_episodes' not in capsys.readouterr().out.splitlines()[-2]  # said only when it happened
+
+
+def test_eval_of_the_training_split_takes_eval_tasks_as_its_count(monkeypatch, capsys):
+    """--split=train --eval_tasks=N evaluates the first N training tasks; it was refused with the
+    held-out message ('asks for N held-out tasks') when the gym has fewer than N held-out ones."""
+    import gyms.example as ex
+    import sample
+    setup = ex.setup
+    monkeypatch.setattr(ex, 'setup', lambda cfg, vocab=None: dict(setup(cfg, vocab), eval_tasks=[0, 1, 2]))
+    numbers = sample.main(['config/example.yaml', '--eval', '--scripted', '--split=train', '--eval_tasks=5'])
+    assert numbers['tasks'] == 5 and ' 5 training example tasks ' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # the held-out split keeps its refusal
+        sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=5'])
+    assert e.value.code == 2 and "asks for 5 held-out tasks" in capsys.readouterr().err
+
+
+def test_the_episode_views_say_which_episodes_are_invalid_and_why(tmp_path, monkeypatch, capsys):
+    """sample.py's episodes: the summary line counts the invalid ones and the HTML page gives each one's
+    error (it said INVALID without it), escaped."""
+    import gyms.example as ex
+    import sample
+    step = ex.GuessEnv.step
+    def flaky(self, action, finish='stop'):
+        if self.secret % 2:
+            raise RuntimeError('tool <server> down')
+        return step(self, action, finish)
+    monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    page = tmp_path / 'episodes.html'
+    sample.main(['config/example.yaml', '--scripted', '--n=4', '--greedy', f'--html={page}'])
+    summary = capsys.readouterr().out.splitlines()[-2]
+    assert summary.startswith('4 episodes: ') and summary.endswith(', invalid 2'), summary
+    assert page.read_text().count('INVALID RuntimeError: tool &lt;server&gt; down') == 2

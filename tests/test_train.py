@@ -17,6 +17,7 @@ from config import config, load_config
 from gym import load_gym
 from gyms import memory as gm
 from model import load_policy, peak_memory_gb, release_memory
+import report
 from report import MACHINE_KEYS
 from rollout import rollout_batch
 from script_server import run_script
@@ -597,7 +598,30 @@ def test_an_evaluation_where_every_episode_is_invalid_stops(capsys):
             raise RuntimeError('tool down')
     with pytest.raises(SystemExit) as e:
         train.evaluate(model, dict(gym_, make_env=Broken), cfg, 0)
-    assert e.value.code == 2 and 'evaluation (greedy): every episode is invalid; the first: RuntimeError: tool down' in capsys.readouterr().err
+    assert e.value.code == 2 and 'evaluation (held-out, greedy): every episode is invalid; the first: RuntimeError: tool down' in capsys.readouterr().err
+
+
+def test_an_evaluation_warns_once_for_each_split_and_decoding(monkeypatch, capsys):
+    """A gym that breaks on some tasks of both splits: each evaluation's warning names its split and
+    decoding, so a validation break after a held-out one is still said; evaluating again says nothing new."""
+    import train
+    cfg = load_config(['config/tiny_mem.yaml', '--train_tasks=20', '--eval_tasks=4', '--val_tasks=4', '--device=cpu', '--n_embd=32'])
+    gym_ = load_gym(cfg, None, config)
+    model = load_policy(cfg, gym_['tok'].vocab_size).eval()
+
+    class Flaky(gm.MemoryEnv):  # the first task of each split breaks
+        def step(self, action_text, finish='stop'):
+            if self.task.id.endswith('-0'):
+                raise RuntimeError('tool down')
+            return super().step(action_text, finish)
+    monkeypatch.setattr(report, '_WARNED', set())
+    for step in (0, 1):
+        out = train.evaluate(model, dict(gym_, make_env=Flaky), cfg, step)
+    err = capsys.readouterr().err.splitlines()
+    assert sorted(line.split(':')[1] for line in err) == sorted(
+        [' evaluation (held-out, greedy)', ' evaluation (held-out, sampled)', ' evaluation (validation, greedy)',
+         ' evaluation (validation, sampled)']), err
+    assert out['eval_invalid_episodes'] == cfg['eval_samples'] == out['eval_val_invalid_episodes']
 
 
 def test_format_metrics_count_malformed_turns_and_episodes():
