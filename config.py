@@ -87,6 +87,8 @@ config = dict(
     group_size=8,                # rollouts per task
     rl_min_objectives=1,         # gym memory: RL draws only training questions with at least this many parts (the
                                  # warm start imitates them all)
+    rl_spare_turns=1,            # gym memory: turns an RL episode may spend beyond the oracle's (a search per hop and
+                                 # the answer) before the gym's budget ends it; evaluations and scripted episodes keep 1
     lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.99,  # AdamW of the RL steps
     warmup_steps=5,              # RL steps of linear lr warm-up from 0
     min_lr=-1.0,                 # >= 0: cosine decay from lr to min_lr over the RL steps after warm-up; < 0: constant lr
@@ -309,7 +311,7 @@ RANGES = dict(
                               'warmstart_batch_size', 'keep_checkpoints', 'max_tokens_per_microbatch', 'max_bad_steps',
                               'train_variants', 'sft_batch_size')},
     **{k: (0, None) for k in ('steps', 'threads', 'eval_every', 'save_every', 'warmstart_steps', 'warmstart_episodes',
-                              'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef',
+                              'train_tasks', 'train_generated', 'eval_tasks', 'val_tasks', 'warmup_steps', 'kl_coef', 'rl_spare_turns',
                               'mem_coef', 'lr', 'warmstart_lr', 'weight_decay', 'clip_low', 'clip_high', 'grad_clip',
                               'adv_eps', 'lora_rank', 'tis_cap', 'truncation_penalty', 'complete_bonus', 'hop_reward',
                               'sft_coef')},

@@ -24,7 +24,7 @@ What it deliberately simplifies:
 
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import hf
 from gym import build_tokenizer, word_format
@@ -33,7 +33,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
 
 MODEL = 'any'
 KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'oracle_stuck', 'val_tasks',
-        'answer_reward', 'mem_target', 'show_budget', 'complete_bonus', 'hop_reward')
+        'answer_reward', 'mem_target', 'show_budget', 'complete_bonus', 'hop_reward', 'rl_spare_turns')
 
 # -----------------------------------------------------------------------------
 # worlds and tasks
@@ -73,6 +73,7 @@ class MemoryTask:
     golds: list              # k alias lists, [["arvenia"], ["bo"]]
     facts: dict              # "moonfall directed by" -> "ada": the whole world of this episode
     hops: list = field(default_factory=list)  # hops per objective
+    spare_turns: int = 1     # the env's budget: the oracle's turns (a search per hop, one answer) plus these
 
 
 def _make_world(rng):
@@ -219,8 +220,9 @@ class MemoryEnv:
       but its final reward will be 0 (the format check covers every turn). A turn cut at the
       response limit (finish='length') is malformed whatever its text (its text fails the format
       check anyway: a well-formed turn ends with a stop token, </search> or </answer>)
-    - own budget: after `budget` turns without an answer (max_turns, else 2 + the question's hops: one
-      turn more than the oracle needs) the episode ends (stop='budget', 0).
+    - own budget: after `budget` turns without an answer (max_turns, else 1 + the question's hops +
+      the task's spare_turns: by default one turn more than the oracle needs) the episode ends
+      (stop='budget', 0).
     - show_budget: every observation gets a last line 'turns left N', N = the turns left after this
       one, counted to the smaller of the budget and turn_limit (the rollout's max_turns, which can end
       the episode first). Under folding the observation is the only place a policy can read it.
@@ -237,7 +239,7 @@ class MemoryEnv:
         """Start an episode; returns the prompt (the question words)."""
         self.task, self.turns, self.n_invalid, self.cut = task, [], 0, []
         self.found, self.quality, self.n_found = {}, [], []  # fact -> turns that returned it; per turn
-        self.budget = self.max_turns or 2 + sum(task.hops)
+        self.budget = self.max_turns or 1 + sum(task.hops) + task.spare_turns
         return task.question
 
     def step(self, action_text, finish="stop"):
@@ -481,7 +483,8 @@ def setup(cfg, vocab=None):
     with 1..max_objectives parts and held-out ones with up to one more, and val_tasks validation tasks
     like the held-out ones (0: none; train.py evaluates them after held-out); the warm start imitates the
     oracle through the folded context on every training task, while RL draws only those with at least
-    rl_min_objectives parts (rl_tasks). model tiny: a word vocabulary built from the gym's texts (or
+    rl_min_objectives parts (rl_tasks), whose budget has rl_spare_turns turns beyond the oracle's (held-out,
+    validation and the scripted episodes keep one). model tiny: a word vocabulary built from the gym's texts (or
     the checkpoint's `vocab`); any other model: its tokenizer and chat template (hf.chat_format, which
     raises ValueError naming what the model lacks)."""
     check_answer_reward(cfg["answer_reward"])
@@ -491,7 +494,7 @@ def setup(cfg, vocab=None):
     if not 1 <= cfg["rl_min_objectives"] <= k:
         raise ValueError(f"config key 'rl_min_objectives' must be 1..max_objectives ({k}), got {cfg['rl_min_objectives']}")
     train_tasks = make_tasks("train", cfg["train_tasks"] or 2000, seed=cfg["seed"], n_objectives=(1, k))
-    rl_tasks = [t for t in train_tasks if len(t.golds) >= cfg["rl_min_objectives"]]
+    rl_tasks = [replace(t, spare_turns=cfg["rl_spare_turns"]) for t in train_tasks if len(t.golds) >= cfg["rl_min_objectives"]]
     if not rl_tasks:
         raise ValueError(f"no training task has {cfg['rl_min_objectives']}+ parts (rl_min_objectives) among "
                          f"{len(train_tasks)}: lower it or raise train_tasks")

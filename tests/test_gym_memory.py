@@ -613,6 +613,32 @@ def test_show_budget_counts_down_the_turns_left_and_the_oracle_still_succeeds():
     assert done and r == 0.0 and info["stop"] == "budget"
 
 
+def test_rl_spare_turns_tightens_the_budget_of_rl_episodes_only():
+    """rl_spare_turns: 0 gives RL episodes exactly the oracle's turns (one search per hop, then the
+    answer), so one wasted search leaves the last turn to answer what the notes hold; the training
+    tasks (the warm start's and PPO-ptx's), held-out and validation keep the spare turn."""
+    from config import config, load_config
+    cfg = dict(config, gym='memory', model='tiny', max_objectives=2, train_tasks=40, eval_tasks=10, val_tasks=4,
+               show_budget=True, max_turns=10)
+    one, zero = g.setup(cfg), g.setup(dict(cfg, rl_spare_turns=0))
+    assert [(t.question, t.spare_turns) for t in one['rl_tasks']] == [(t.question, 1) for t in one['train_tasks']]
+    assert [(t.question, t.spare_turns) for t in zero['rl_tasks']] == [(t.question, 0) for t in one['train_tasks']]
+    assert all(t.spare_turns == 1 for s in ('train_tasks', 'eval_tasks', 'val_tasks') for t in zero[s])
+    for t in zero['rl_tasks']:  # the oracle still fits, with no turn to spare
+        env = zero['make_env']()
+        turns, obs, reward, info = g.play(t, g.oracle_policy, env)
+        assert info['success'] and len(turns) == env.budget == 1 + sum(t.hops) and obs[-2].endswith('turns left 1')
+    t = next(t for t in zero['rl_tasks'] if len(t.golds) == 1 and sum(t.hops) == 2)
+    env = zero['make_env']()
+    env.reset(t)  # a wasted search, one right one: the last turn is the answer's, or the budget ends the episode
+    seen = [env.step(f"m </mem> <search> {q} </search>")[0] for q in ('nobody born in', next(iter(t.facts)))]
+    assert [o.split('\n')[-1] for o in seen] == ['turns left 2', 'turns left 1']
+    _, r, done, info = env.step("m </mem> <search> nobody born in </search>")
+    assert done and r == 0.0 and info['stop'] == 'budget' and info['n_turns'] == 3
+    with pytest.raises(SystemExit):
+        load_config(['config/tiny_mem.yaml', '--rl_spare_turns=-1'])
+
+
 def test_show_budget_words_are_in_the_tiny_vocabulary_only_when_on():
     from config import config as defaults, load_config
     args = ["config/tiny_mem.yaml", "--train_tasks=4", "--eval_tasks=4"]
