@@ -360,8 +360,9 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     torch.manual_seed(cfg['seed'])  # the untrained model's weights, as train.py would draw them
-    # --split=train: eval_tasks counts the training tasks evaluated (evaluate), not the held-out ones the gym cuts
-    gym_ = load_gym(dict(cfg, eval_tasks=0) if split == 'train' else cfg, state.get('vocab') if state else None, config)
+    # --split=train: eval_tasks counts the training tasks evaluated (evaluate); the gym's held-out cut stays the run's
+    own_cut = (state['config'] if state else saved).get('eval_tasks', 0)
+    gym_ = load_gym(dict(cfg, eval_tasks=own_cut) if split == 'train' else cfg, state.get('vocab') if state else None, config)
     split_tasks(gym_, split)  # a split the gym lacks: refused before anything is printed or loaded
     if scripted:
         if gym_['warm_policy'] is None:

@@ -630,7 +630,7 @@ def test_rl_spare_turns_tightens_the_budget_of_rl_episodes_only():
         assert info['success'] and len(turns) == env.budget == 1 + sum(t.hops) and obs[-2].endswith('turns left 1')
     t = next(t for t in zero['rl_tasks'] if len(t.golds) == 1 and sum(t.hops) == 2)
     env = zero['make_env']()
-    env.reset(t)  # a wasted search, one right one: the last turn is the answer's, or the budget ends the episode
+    env.reset(t)  # two searches (a wasted one, then a fact of the world): the third turn is the last one
     seen = [env.step(f"m </mem> <search> {q} </search>")[0] for q in ('nobody born in', next(iter(t.facts)))]
     assert [o.split('\n')[-1] for o in seen] == ['turns left 2', 'turns left 1']
     _, r, done, info = env.step("m </mem> <search> nobody born in </search>")
