@@ -397,18 +397,26 @@ def test_eval_tasks_takes_the_first_of_a_gym_that_returns_all(tmp_path):
     assert len(load_gym(dict(cfg, eval_tasks=0))['eval_tasks']) == 8  # 0 = all of them
 
 
+def _break_odd_secrets(monkeypatch, error):
+    """The example gym's env raises RuntimeError(error) in the episodes whose secret is odd; returns its own step."""
+    import gyms.example as ex
+    step = ex.GuessEnv.step
+
+    def flaky(self, action, finish='stop'):
+        if self.secret % 2:
+            raise RuntimeError(error)
+        return step(self, action, finish)
+    monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    return step
+
+
 def test_sample_py_eval_names_the_episodes_a_raising_env_made_invalid(monkeypatch, capsys):
     """An env that raises in some episodes ends them invalid (reward 0); sample.py --eval counted them
     only in the JSON's stops ('env_error'): not on the line a user reads, without the error, and with
     exit 0 when every episode was invalid. Now it warns and stops as train.py does."""
     import gyms.example as ex
     import sample
-    step = ex.GuessEnv.step
-    def flaky(self, action, finish='stop'):
-        if self.secret % 2:
-            raise RuntimeError('tool server down')
-        return step(self, action, finish)
-    monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    step = _break_odd_secrets(monkeypatch, 'tool server down')
     monkeypatch.setattr(report, '_WARNED', set())
     numbers = sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
     out = capsys.readouterr()
@@ -443,14 +451,8 @@ def test_eval_of_the_training_split_takes_eval_tasks_as_its_count(monkeypatch, c
 def test_the_episode_views_say_which_episodes_are_invalid_and_why(tmp_path, monkeypatch, capsys):
     """sample.py's episodes: the summary line counts the invalid ones and the HTML page gives each one's
     error (it said INVALID without it), escaped."""
-    import gyms.example as ex
     import sample
-    step = ex.GuessEnv.step
-    def flaky(self, action, finish='stop'):
-        if self.secret % 2:
-            raise RuntimeError('tool <server> down')
-        return step(self, action, finish)
-    monkeypatch.setattr(ex.GuessEnv, 'step', flaky)
+    _break_odd_secrets(monkeypatch, 'tool <server> down')
     page = tmp_path / 'episodes.html'
     sample.main(['config/example.yaml', '--scripted', '--n=4', '--greedy', f'--html={page}'])
     summary = capsys.readouterr().out.splitlines()[-2]
