@@ -119,7 +119,8 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_B
         chunk = tasks[i:i + per]
         trajs += run_tasks(policy_for(model, len(chunk) * samples, rng), gym_, cfg, chunk, samples, generator=gen,
                            temperature=0.0 if greedy else None)
-    report.check_invalid(trajs, f"evaluation ({SPLIT_NAMES[SPLITS[split]]}, {'greedy' if greedy else 'sampled'})")  # as train.py's: warn, or stop
+    decoding = 'scripted' if not isinstance(model, torch.nn.Module) else 'greedy' if greedy else 'sampled'
+    report.check_invalid(trajs, f"evaluation ({SPLIT_NAMES[SPLITS[split]]}, {decoding})")  # as train.py's: warn, or stop
     n = max(len(trajs), 1)
     out = dict(episodes=len(trajs), **report.episode_metrics([report.summarise(t) for t in trajs]),
                turns_mean=sum(len(t.turns) for t in trajs) / n,
@@ -447,7 +448,7 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
     num = lambda v: f'{v:.3f}' if isinstance(v, float) else str(v)  # a count (invalid_episodes) stays a count
     shown = ', '.join(f'{k} {num(shared[k])}' + (f' (here {num(numbers[k])})' if k in differ else '') for k in keys)
     verdict = 'the same' if not differ else 'not the same'
-    reason = ('; this evaluation differs in: ' + '; '.join(settings) if settings else
+    reason = ((', though' if not differ else ';') + ' this evaluation differs in: ' + '; '.join(settings) if settings else
               '' if not differ else ', with the same settings (rounding on another machine or torch build, or an edited log)')
     print(f"the run logged at step {ckpt['step']}: {shown}: {verdict}{reason}")
     return dict(numbers=shared, same=not differ, differs_in=settings)

@@ -422,12 +422,12 @@ def test_sample_py_eval_names_the_episodes_a_raising_env_made_invalid(monkeypatc
     out = capsys.readouterr()
     line = out.out.splitlines()[-2]
     assert numbers['invalid_episodes'] == 2 == numbers['stops']['env_error'] and line.endswith(', invalid_episodes 2')
-    assert out.err == ('warning: evaluation (held-out, greedy): 2 of 4 episodes invalid (reward 0); the first: '
+    assert out.err == ('warning: evaluation (held-out, scripted): 2 of 4 episodes invalid (reward 0); the first: '
                        'RuntimeError: tool server down\n')  # why, in one line, as train.py says it
     monkeypatch.setattr(ex.GuessEnv, 'step', lambda self, action, finish='stop': 1 / 0)
     with pytest.raises(SystemExit) as e:  # every episode invalid: the gym is broken, as train.py stops
         sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
-    assert e.value.code == 2 and capsys.readouterr().err == ('error: evaluation (held-out, greedy): every episode is invalid; '
+    assert e.value.code == 2 and capsys.readouterr().err == ('error: evaluation (held-out, scripted): every episode is invalid; '
                                                              'the first: ZeroDivisionError: division by zero\n')
     monkeypatch.setattr(ex.GuessEnv, 'step', step)
     sample.main(['config/example.yaml', '--eval', '--scripted', '--eval_tasks=4'])
