@@ -431,7 +431,8 @@ def logged_numbers(ckpt, split, sampled):
 def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
     """Print one line: the numbers this evaluation shares with the run's log at the checkpoint's step,
     whether they are the same, and the settings that differ from the run's evaluation (the config on top
-    of the checkpoint's, --batch); or why there is nothing to compare. Returns what the JSON keeps:
+    of the checkpoint's, --batch; a greedy one reads neither eval_samples nor temperature); or why
+    there is nothing to compare. Returns what the JSON keeps:
     dict(numbers, same, differs_in), or dict(missing=why)."""
     logged, why = logged_numbers(ckpt, split, sampled)
     shared = {k: v for k, v in (logged or {}).items() if k in numbers and isinstance(v, (int, float))}
@@ -440,8 +441,9 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
         print(f"note: nothing logged to compare with: {why}")
         return dict(missing=why)
     differ = [k for k, v in shared.items() if numbers[k] != v]
+    unread = () if sampled else ('eval_samples', 'temperature')  # greedy: one episode per task, no sampling
     settings = [f'{k} {ckpt["config"][k]!r} -> {v!r}' for k, v in cfg.items()
-                if k not in NOT_EVALUATION_KEYS and k in ckpt['config'] and ckpt['config'][k] != v]
+                if k not in NOT_EVALUATION_KEYS + unread and k in ckpt['config'] and ckpt['config'][k] != v]
     if batch != EVAL_EPISODES_PER_BATCH:
         settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')
     keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]

@@ -526,6 +526,9 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     line = capsys.readouterr().out.splitlines()[-2]
     assert other['tt'] != logged['eval_tt'] and not other['logged']['same'] and 'not the same' in line, line
     assert 'temperature 1.0 -> 0.7' in line and 'batch 512 -> 2' in line, line
+    cold = sample.main([ckpt, '--eval', '--show=0', '--temperature=0.7', '--eval_samples=5'])['logged']
+    assert cold['same'] and cold['differs_in'] == [], cold  # greedy reads neither
+    assert capsys.readouterr().out.rstrip().splitlines()[-2].endswith(': the same')
     fewer = sample.main([ckpt, '--eval', '--show=0', '--max_turns=4'])  # equal success, other settings: both said
     line = capsys.readouterr().out.splitlines()[-2]
     assert line.endswith(': the same, though this evaluation differs in: max_turns 17 -> 4') and fewer['logged']['differs_in'], line
