@@ -501,7 +501,9 @@ def print_setup(cfg, gym_, model, seconds, processes):
     print(json.dumps(cfg))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     val = f" / {len(gym_['val_tasks'])} validation" if gym_.get('val_tasks') else ''
-    rl = f" ({len(gym_['rl_tasks'])} for RL)" if len(gym_['rl_tasks']) != len(gym_['train_tasks']) else ''
+    rl = [f"{len(gym_['rl_tasks'])} for RL"] if len(gym_['rl_tasks']) != len(gym_['train_tasks']) else []
+    rl += [f"RL with {cfg['rl_spare_turns']} spare turn(s)"] if cfg['rl_spare_turns'] != 1 else []  # the memory gym's RL budget
+    rl = f" ({', '.join(rl)})" if rl else ''
     print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train{rl} / {len(gym_['eval_tasks'])} held-out{val} tasks "
           f"({seconds:.0f}s); policy {cfg['model']}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
           + (f" ({trained:,} trained: LoRA rank {cfg['lora_rank']})" if cfg['lora_rank'] else '')
@@ -533,10 +535,10 @@ def finish_run(cfg, hf_model, tok, wall_s):
 
 
 def run_summary(out_dir, cfg, wall_s):
-    """A few lines for the end of a run: steps, wall time, tokens processed, best held-out (and
-    validation) score,
-    the paths of the newest checkpoint, metrics and curves (marked when missing), and the command
-    that shows the policy's episodes."""
+    """A few lines for the end of a run: steps, wall time, tokens processed, the largest step's peak
+    memory, invalid episodes (when any: RL steps' and sampled evaluations' counts summed), best
+    held-out (and validation) score, the paths of the newest checkpoint, metrics and curves (marked
+    when missing), and the command that shows the policy's episodes."""
     metrics = os.path.join(out_dir, 'metrics.jsonl')
     rows = read_metrics(metrics) if os.path.exists(metrics) else []
     steps = max((r['step'] for r in rows), default=0)
@@ -550,6 +552,11 @@ def run_summary(out_dir, cfg, wall_s):
     peaks = [r['peak_memory_gb'] for r in rows if _number(r.get('peak_memory_gb'))]
     if peaks:  # what the machine must hold: the largest step's peak (resident set on the CPU, allocated on CUDA)
         lines.append(f"  peak memory  {max(peaks):.1f} GB (an RL step's)")
+    rl_bad = sum(r['invalid_episodes'] for r in rows if _number(r.get('invalid_episodes')))
+    eval_bad = sum(v for r in rows for k, v in r.items() if k.startswith('eval_') and k.endswith('invalid_episodes') and _number(v))
+    if rl_bad or eval_bad:  # a broken env or reward: the warnings name the first of each kind
+        lines.append(f"  invalid      {rl_bad:.0f} episode(s) of RL steps (left out of the update), {eval_bad:.0f} of "
+                     f"sampled evaluations (reward 0): the env raised or paid a non-number")
     for key in ('eval_success_rate', 'eval_greedy_success', 'eval_val_success'):  # choose on validation
         pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
         if pts:
