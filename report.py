@@ -16,7 +16,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from config import all_reduce, rank
+from config import all_reduce, config, rank
 from gym import TRUNCATED, fail
 
 CURVES = 'curves.png'        # file names inside out_dir
@@ -501,9 +501,11 @@ def print_setup(cfg, gym_, model, seconds, processes):
     print(json.dumps(cfg))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     val = f" / {len(gym_['val_tasks'])} validation" if gym_.get('val_tasks') else ''
-    rl = [f"{len(gym_['rl_tasks'])} for RL"] if len(gym_['rl_tasks']) != len(gym_['train_tasks']) else []
-    rl += [f"RL with {cfg['rl_spare_turns']} spare turn(s)"] if cfg['rl_spare_turns'] != 1 else []  # the memory gym's RL budget
-    rl = f" ({', '.join(rl)})" if rl else ''
+    n_rl, spare = len(gym_['rl_tasks']), cfg.get('rl_spare_turns', config['rl_spare_turns'])
+    rl = f"{n_rl} for RL" if n_rl != len(gym_['train_tasks']) else ''
+    if spare != config['rl_spare_turns']:  # the memory gym's RL budget
+        rl = f"{rl or 'RL'} with {spare} spare turn(s)"
+    rl = f" ({rl})" if rl else ''
     print(f"gym {cfg['gym']}: {len(gym_['train_tasks'])} train{rl} / {len(gym_['eval_tasks'])} held-out{val} tasks "
           f"({seconds:.0f}s); policy {cfg['model']}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
           + (f" ({trained:,} trained: LoRA rank {cfg['lora_rank']})" if cfg['lora_rank'] else '')
@@ -556,7 +558,7 @@ def run_summary(out_dir, cfg, wall_s):
     eval_bad = sum(v for r in rows for k, v in r.items() if k.startswith('eval_') and k.endswith('invalid_episodes') and _number(v))
     if rl_bad or eval_bad:  # a broken env or reward: the warnings name the first of each kind
         lines.append(f"  invalid      {rl_bad:.0f} episode(s) of RL steps (left out of the update), {eval_bad:.0f} of "
-                     f"sampled evaluations (reward 0): the env raised or paid a non-number")
+                     f"sampled evaluations (all of them, held-out and validation; reward 0): the env raised or paid a non-number")
     for key in ('eval_success_rate', 'eval_greedy_success', 'eval_val_success'):  # choose on validation
         pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
         if pts:

@@ -289,14 +289,14 @@ def test_run_summary_totals_invalid_episodes_only_when_there_are_some(tmp_path):
             dict(step=2, tokens=40, invalid_episodes=0)]
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     s = report.run_summary(str(tmp_path), dict(train.config, steps=2), 1.0)
-    assert '  invalid      3 episode(s) of RL steps (left out of the update), 3 of sampled evaluations' in s, s
+    assert '  invalid      3 episode(s) of RL steps (left out of the update), 3 of sampled evaluations (all of them' in s, s
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(dict(r, invalid_episodes=0, eval_invalid_episodes=0,
                                                                     eval_val_invalid_episodes=0)) + '\n' for r in rows))
-    assert 'invalid' not in report.run_summary(str(tmp_path), dict(train.config, steps=2), 1.0)
+    assert '  invalid ' not in report.run_summary(str(tmp_path), dict(train.config, steps=2), 1.0)
 
 
 @pytest.mark.parametrize('spare, n_rl, says', [(1, 10, ''), (0, 10, ' (RL with 0 spare turn(s))'),
-                                               (2, 6, ' (6 for RL, RL with 2 spare turn(s))'), (1, 6, ' (6 for RL)')])
+                                               (2, 6, ' (6 for RL with 2 spare turn(s))'), (1, 6, ' (6 for RL)')])
 def test_setup_line_says_what_rl_draws_and_its_spare_turns(capsys, spare, n_rl, says):
     gym_ = dict(train_tasks=[0] * 10, rl_tasks=[0] * n_rl, eval_tasks=[0] * 4)
     report.print_setup(dict(train.config, gym='memory', rl_spare_turns=spare), gym_, torch.nn.Linear(2, 2), 1.0, 1)
