@@ -124,11 +124,17 @@ def quality_corr(pairs, key):
 
 
 CHECKPOINTS = 'ckpt_' + '[0-9]' * 6 + '.pt'  # the glob of this project's checkpoints: never a user's ckpt_best.pt
+ROLLOUT_DUMPS = 'rollout_' + '[0-9]' * 6 + '.pt'  # dump_rollouts' files (rollout_path): never a user's rollout_best.pt
 
 
 def checkpoint_path(out_dir, step):
     """out_dir/ckpt_<step>.pt, zero-padded so that names sort as steps do (CHECKPOINTS globs them)."""
     return os.path.join(out_dir, f'ckpt_{step:06d}.pt')
+
+
+def rollout_path(out_dir, step):
+    """out_dir/rollout_<step>.pt, the training batch dump_rollouts writes at an evaluation step (ROLLOUT_DUMPS globs them)."""
+    return os.path.join(out_dir, f'rollout_{step:06d}.pt')
 
 
 def save_checkpoint(state, out_dir, step, keep):
@@ -246,10 +252,11 @@ def start_fresh(cfg, master=True):
     if cfg['resume']:
         print(f"--resume=True: no checkpoint in {cfg['out_dir']}, starting from scratch")
     old = sorted(glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS)))
-    dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], 'rollout_*.pt'))) if cfg['overwrite'] else []
-    if old or dumps:
+    dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], ROLLOUT_DUMPS))) if cfg['overwrite'] else []
+    metrics = cfg['overwrite'] and os.path.exists(os.path.join(cfg['out_dir'], METRICS))  # step 0 starts it anew
+    if old or dumps or metrics:
         print(f"overwrite: removing {len(old)} checkpoint(s) and {len(dumps)} rollout dump(s) of an earlier run "
-              f"in {cfg['out_dir']}")
+              f"in {cfg['out_dir']}" + (f"; its {METRICS} is replaced" if metrics else ''))
         for p in old + dumps:
             os.remove(p)
     write_config(cfg)

@@ -486,7 +486,7 @@ def main(argv):
             t_eval = time.time()
             log.update(evaluate(model, gym_, cfg, step), eval_time_s=time.time() - t_eval)
             if master and cfg['dump_rollouts']:
-                report.dump_rollout(os.path.join(cfg['out_dir'], f'rollout_{step:06d}.pt'), trajs, batch, adv, cfg, step)
+                report.dump_rollout(report.rollout_path(cfg['out_dir'], step), trajs, batch, adv, cfg, step)
         if master:
             report.log_step(cfg, log, gym_)
         bad_steps = bad_steps + 1 if m['bad_steps'] else 0

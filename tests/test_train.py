@@ -383,9 +383,11 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path)
     assert {c: c.read_bytes() for c in tmp_path.glob('ckpt_*.pt')} == ckpts
     (tmp_path / 'rollout_000001.pt').write_bytes(b'a dump of the earlier run')
     (tmp_path / 'notes.txt').write_text('mine')
+    (tmp_path / 'rollout_best.pt').write_text('mine')  # a user's file, named like a dump but not one train.py writes
     p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
-    assert 'overwrite: removing 2 checkpoint(s) and 1 rollout dump(s)' in p.stdout
+    assert 'overwrite: removing 2 checkpoint(s) and 1 rollout dump(s)' in p.stdout and 'metrics.jsonl is replaced' in p.stdout
     assert not (tmp_path / 'rollout_000001.pt').exists() and (tmp_path / 'notes.txt').read_text() == 'mine'
+    assert (tmp_path / 'rollout_best.pt').read_text() == 'mine'
     state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
     assert state['vocab'][:3] == ['<pad>', '<bos>', '<unk>'] and len(state['vocab']) > 100
     (tmp_path / 'other').mkdir()  # a run killed before its first checkpoint left only its metrics
