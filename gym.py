@@ -9,6 +9,8 @@ A gym is a module gyms/<name>.py, chosen by `gym: <name>` in a config. It define
             'any': either (the memory gym: its own words for tiny, the model's chat template otherwise)
     KEYS    the gym-specific config keys it reads (config.py marks them `gym:`); load_gym refuses a
             gym-specific key that another gym reads, set here to a value other than its default
+    TASK_KEYS (optional) those of KEYS that change its held-out or validation tasks: --resume refuses
+            a change to them, as to seed, eval_tasks and val_tasks (the scores would not compare)
     setup(cfg, vocab=None) -> dict with
         tok           a WordTokenizer (MODEL 'tiny') or a Hugging Face tokenizer
         fmt           a Format: word_format(tok, ...) or hf.chat_format(tok, ...)

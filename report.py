@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from config import all_reduce, config, rank
-from gym import TRUNCATED, fail
+from gym import TRUNCATED, fail, gym_module
 
 CURVES = 'curves.png'        # file names inside out_dir
 EPISODES = 'episodes.html'
@@ -188,7 +188,7 @@ RUN_KEYS = ('steps', 'resume', 'overwrite', 'out_dir', 'threads', 'log_every', '
 def check_out_dir(cfg, master=True):
     """--resume's newest loadable checkpoint as (state, path), or None for a fresh run. Exits 2 with
     one line before a fresh run would replace an earlier run in out_dir without overwrite=True, or
-    when --resume finds another run's checkpoint (other gym, model, seed, tasks or tiny-model shape),
+    when --resume finds another run's checkpoint (other gym, model, seed, tasks, a gym's TASK_KEYS or tiny-model shape),
     a checkpoint past `steps`, or metrics without any checkpoint, and before a fresh run would replace
     a curves.png or a config.json of other settings (a file of the user's); warns of other settings that differ
     from the checkpoint's (they apply from here on; steps too where min_lr >= 0 sets a cosine schedule
@@ -197,7 +197,8 @@ def check_out_dir(cfg, master=True):
                    if cfg['resume'] else (None, None))
     old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
-    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank') + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
+    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank', *getattr(gym_module(cfg), 'TASK_KEYS', ())) \
+        + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
     differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
     if {'gym', 'model'} & set(differ):  # another gym or model: that is the reason (its other keys came from the defaults)
         differ = [k for k in differ if k in ('gym', 'model')]

@@ -34,6 +34,7 @@ from gyms.answers import (TAGS, answer_reward, check_answer_reward, check_turn, 
 MODEL = 'any'
 KEYS = ('train_tasks', 'max_objectives', 'rl_min_objectives', 'oracle_forget', 'oracle_detour', 'oracle_stuck', 'val_tasks',
         'answer_reward', 'mem_target', 'show_budget', 'complete_bonus', 'hop_reward', 'rl_spare_turns')
+TASK_KEYS = ('max_objectives',)  # held-out and validation questions have up to max_objectives + 1 parts
 
 # -----------------------------------------------------------------------------
 # worlds and tasks

@@ -33,6 +33,7 @@ from gyms.answers import answer_reward, check_answer_reward, score_episode, stri
 
 MODEL = 'hf'
 KEYS = ('data', 'prompt_style', 'max_obs_tokens', 'train_tasks', 'require_think', 'enable_thinking', 'answer_reward')
+TASK_KEYS = ('data',)  # both splits come from the data file
 
 DATA = Path(__file__).resolve().parent.parent / 'data'
 SOURCES = {'hotpotqa': DATA / 'hotpotqa_dev_sample.jsonl', 'bamboogle': DATA / 'bamboogle.jsonl'}

@@ -180,6 +180,9 @@ def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
     p = train(tmp_path, '--resume', '--gym=memory', check=False, small=[])  # the gym is the reason, not the defaults' eval_tasks
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with gym 'bugfix', not "
                                               "'memory'; choose another out_dir for a new run\n")
+    p = train(tmp_path, '--steps=2', '--resume=True', '--train_generated=4', check=False)  # bugfix's TASK_KEYS: other validation tasks
+    assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with train_generated 0, not 4; "
+                                              "choose another out_dir for a new run\n")
     p = train(tmp_path, '--steps=2', '--resume=True', '--seed=7', '--eval_tasks=5', check=False)  # every difference named
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with seed 1337, not 7, "
                                               "eval_tasks 4, not 5; choose another out_dir for a new run\n")
