@@ -546,7 +546,7 @@ def finish_run(cfg, hf_model, tok, wall_s):
 
 def run_summary(out_dir, cfg, wall_s):
     """A few lines for the end of a run: steps, wall time, tokens processed, the largest step's peak
-    memory, invalid episodes (when any: RL steps' and sampled evaluations' counts summed), best
+    memory, invalid episodes (when any: RL steps' and evaluations' counts summed), best
     held-out (and validation) score, the paths of the newest checkpoint, metrics and curves (marked
     when missing), and the command that shows the policy's episodes."""
     metrics = os.path.join(out_dir, 'metrics.jsonl')
@@ -565,8 +565,8 @@ def run_summary(out_dir, cfg, wall_s):
     rl_bad = sum(r['invalid_episodes'] for r in rows if _number(r.get('invalid_episodes')))
     eval_bad = sum(v for r in rows for k, v in r.items() if k.startswith('eval_') and k.endswith('invalid_episodes') and _number(v))
     if rl_bad or eval_bad:  # a broken env or reward: the warnings name the first of each kind
-        lines.append(f"  invalid      {rl_bad:.0f} episode(s) of RL steps (left out of the update), {eval_bad:.0f} of "
-                     f"sampled evaluations (all of them, held-out and validation; reward 0): the env raised or paid a non-number")
+        lines.append(f"  invalid      {rl_bad:.0f} RL episode(s) (left out of the update), {eval_bad:.0f} evaluation episode(s) "
+                     f"(greedy and sampled, every split and step; reward 0): the env raised or paid a non-number")
     for key in ('eval_success_rate', 'eval_greedy_success', 'eval_val_success'):  # choose on validation
         pts = [(r[key], r['step']) for r in rows if _number(r.get(key))]
         if pts:

@@ -52,7 +52,7 @@ from tqdm import tqdm
 import report
 from config import (SCRIPTED_KEYS, TRAINING_KEYS, config, fail, load_config, load_saved_config, parse_options, read_config_file,
                     resolve_dtype)
-from gym import OWNER, TRUNCATED, GymContractError, OutOfVocabulary, load_gym
+from gym import OWNER, TRUNCATED, GymContractError, OutOfVocabulary, gym_module, load_gym
 from model import load_policy
 from rollout import EVAL_EPISODES_PER_BATCH, EVAL_PREFIX, SPLIT_NAMES, eval_generator, run_tasks
 
@@ -69,10 +69,12 @@ SPLITS = {'heldout': 'eval_tasks', 'train': 'train_tasks', 'val': 'val_tasks'}  
 NOT_EVALUATION_KEYS = ('out_dir', 'device', *TRAINING_KEYS, *SCRIPTED_KEYS)
 
 
-def split_tasks(gym_, split):
-    """The tasks of split 'heldout', 'train' or 'val' (the memory gym's val_tasks); exits 2 with one
-    line when the gym has none."""
+def split_tasks(gym_, split, cfg):
+    """The tasks of split 'heldout', 'train' or 'val' (val_tasks, of a gym whose KEYS has it); exits 2
+    with one line when the gym has none."""
     if not gym_.get(SPLITS.get(split)):
+        if split == 'val' and 'val_tasks' not in gym_module(cfg).KEYS:
+            fail(f"--split=val: gym {cfg['gym']!r} has no validation split")
         fail(f"--split={split}: the gym has no such tasks" + (' (set --val_tasks=N)' if split == 'val' else ''))
     return gym_[SPLITS[split]]
 
@@ -87,7 +89,7 @@ def run_episodes(model, gym_, cfg, split='heldout', n=4, greedy=False, generator
     """n episodes of `model` (or of the scripted policy, see policy_for) on tasks drawn (seeded by
     cfg['seed']) from the gym's split -> list of Trajectory. A generator of its own by default, so the
     caller's RNG streams stay untouched. Exits 2 on a split the gym does not have."""
-    pool = split_tasks(gym_, split)
+    pool = split_tasks(gym_, split, cfg)
     if n > len(pool):
         print(f"note: --n={n} is more than the {len(pool)} {split} tasks, so tasks repeat (each once before any twice)")
     rng = random.Random(cfg['seed'])
@@ -109,7 +111,7 @@ def evaluate(model, gym_, cfg, samples=1, greedy=True, batch=EVAL_EPISODES_PER_B
     step gives the numbers its run logged (greedy: eval_greedy_success; samples=eval_samples, greedy=False:
     eval_success_rate and the other eval_* metrics; eval_val_* with split='val'). The training split: its
     first cfg['eval_tasks'] tasks (all when 0)."""
-    tasks, rng = split_tasks(gym_, split), random.Random(cfg['seed'])
+    tasks, rng = split_tasks(gym_, split, cfg), random.Random(cfg['seed'])
     if split == 'train' and cfg['eval_tasks']:  # thousands of them: the first eval_tasks, as many as held-out
         tasks = tasks[:cfg['eval_tasks']]
     gen = eval_generator(cfg, SPLITS[split], step)
@@ -364,7 +366,7 @@ def load_run(rest, untrained=False, scripted=False, split='heldout', ckpt=''):
     # --split=train: eval_tasks counts the training tasks evaluated (evaluate); the gym's held-out cut stays the run's
     own_cut = (state['config'] if state else saved).get('eval_tasks', 0)
     gym_ = load_gym(dict(cfg, eval_tasks=own_cut) if split == 'train' else cfg, state.get('vocab') if state else None, config)
-    split_tasks(gym_, split)  # a split the gym lacks: refused before anything is printed or loaded
+    split_tasks(gym_, split, cfg)  # a split the gym lacks: refused before anything is printed or loaded
     if scripted:
         if gym_['warm_policy'] is None:
             fail(f"--scripted: gym {cfg['gym']!r} has no scripted policy")
@@ -405,7 +407,7 @@ def load_dump(path, rest):
 def logged_numbers(ckpt, split, sampled):
     """What the run of checkpoint ckpt (load_run's dict) logged for this evaluation at the checkpoint's
     step, from the metrics.jsonl beside it, in evaluate()'s names: greedy {'success_rate': eval_greedy_success,
-    'success_rate_k1': eval_greedy_success_k1, ...},
+    'success_rate_k1': eval_greedy_success_k1, ..., 'invalid_episodes': eval_greedy_invalid_episodes},
     sampled every eval_* metric (eval_val_* for split 'val'). Returns (numbers, None), or (None, why not)."""
     metrics = os.path.join(os.path.dirname(ckpt['path']), 'metrics.jsonl')
     prefix = EVAL_PREFIX.get(SPLITS[split])
@@ -419,9 +421,10 @@ def logged_numbers(ckpt, split, sampled):
     if not rows:
         return None, (f"{metrics} has no evaluation of this split at step {ckpt['step']} (not evaluated: eval_every; "
                       "or its line is unreadable)")
-    if not sampled:  # greedy_success and, on memory gyms, greedy_success_k1..
-        greedy = prefix + 'greedy_success'
-        return {'success_rate' + k[len(greedy):]: v for k, v in rows[-1].items() if k.startswith(greedy)}, None
+    if not sampled:  # greedy_success and, on memory gyms, greedy_success_k1..; its invalid episodes where logged
+        greedy, row = prefix + 'greedy_success', rows[-1]
+        numbers = {'success_rate' + k[len(greedy):]: v for k, v in row.items() if k.startswith(greedy)}
+        return dict(numbers, **{'invalid_episodes': row[k] for k in [prefix + 'greedy_invalid_episodes'] if k in row}), None
     numbers = {k[len(prefix):]: v for k, v in rows[-1].items() if k.startswith(prefix)}
     if 'stop_truncated' in numbers:  # logged before the stops named their limit: its stop_max_turns was a gym's budget
         numbers = {k: v for k, v in numbers.items() if not k.startswith('stop_')}

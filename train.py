@@ -274,6 +274,7 @@ def evaluate(model, gym_, cfg, step):
             if key == greedy_key:  # success, and on memory gyms success by parts (greedy_success_k1..)
                 success = prefix + 'success_rate'
                 out.update({key + k[len(success):]: v for k, v in m.items() if k.startswith(success)})
+                out[prefix + 'greedy_invalid_episodes'] = m[prefix + 'invalid_episodes']
             else:
                 out[key] = m[prefix + 'success_rate']
                 out.update(m)

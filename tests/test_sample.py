@@ -285,13 +285,14 @@ def test_run_summary_reports_the_largest_steps_peak_memory(tmp_path):
 
 
 def test_run_summary_totals_invalid_episodes_only_when_there_are_some(tmp_path):
-    rows = [dict(step=0, eval_invalid_episodes=1, eval_val_invalid_episodes=2), dict(step=1, tokens=40, invalid_episodes=3),
+    rows = [dict(step=0, eval_invalid_episodes=1, eval_val_invalid_episodes=1, eval_greedy_invalid_episodes=1),
+            dict(step=1, tokens=40, invalid_episodes=3),
             dict(step=2, tokens=40, invalid_episodes=0)]
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     s = report.run_summary(str(tmp_path), dict(train.config, steps=2), 1.0)
-    assert '  invalid      3 episode(s) of RL steps (left out of the update), 3 of sampled evaluations (all of them' in s, s
-    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(dict(r, invalid_episodes=0, eval_invalid_episodes=0,
-                                                                    eval_val_invalid_episodes=0)) + '\n' for r in rows))
+    assert '  invalid      3 RL episode(s) (left out of the update), 3 evaluation episode(s) (greedy and sampled' in s, s
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps({k: 0 if 'invalid' in k else v for k, v in r.items()}) + '\n'
+                                                    for r in rows))
     assert '  invalid ' not in report.run_summary(str(tmp_path), dict(train.config, steps=2), 1.0)
 
 
@@ -445,6 +446,9 @@ def test_the_validation_split_can_be_shown_and_evaluated(memory, capsys):
     with pytest.raises(SystemExit):
         sample.run_episodes(model, g, cfg, 'val', 2)  # the fixture's gym has no validation tasks
     assert capsys.readouterr().err == 'error: --split=val: the gym has no such tasks (set --val_tasks=N)\n'
+    with pytest.raises(SystemExit):  # a gym without the key: no hint it would then refuse
+        sample.split_tasks(dict(eval_tasks=[0]), 'val', dict(cfg, gym='example', model='tiny'))
+    assert capsys.readouterr().err == "error: --split=val: gym 'example' has no validation split\n"
     gv = load_gym(dict(cfg, val_tasks=3))
     assert [t.id for t in gv['val_tasks']] and not {t.id for t in gv['val_tasks']} & {t.id for t in gv['eval_tasks']}
     numbers, trajs = sample.evaluate(model, gv, cfg, split='val')
@@ -538,8 +542,8 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     assert 'the run logged at step 7: ' in capsys.readouterr().out
     greedy = sample.main([ckpt, '--eval', '--show=0'])['logged']
     assert greedy['numbers'] == {'success_rate' + k[len('eval_greedy_success'):]: v for k, v in logged.items()
-                                 if k.startswith('eval_greedy_success')} and greedy['same']
-    assert set(greedy['numbers']) == {'success_rate', *(f'success_rate_k{k}' for k in range(1, 5))}  # by parts too
+                                 if k.startswith('eval_greedy_success')} | {'invalid_episodes': 0} and greedy['same']
+    assert set(greedy['numbers']) == {'success_rate', *(f'success_rate_k{k}' for k in range(1, 5)), 'invalid_episodes'}  # by parts too
     assert capsys.readouterr().out.rstrip().splitlines()[-2].endswith(': the same')
     other = sample.main([ckpt, '--eval', '--show=0', '--sampled', '--batch=2', '--temperature=0.7'])
     line = capsys.readouterr().out.splitlines()[-2]
@@ -565,6 +569,10 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     edited = sample.main([ckpt, '--eval', '--show=0', '--sampled'])  # an edited count: said as a count
     line = capsys.readouterr().out.splitlines()[-2]
     assert not edited['logged']['same'] and ': invalid_episodes 1 (here 0): not the same' in line, line
+    (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **dict(logged, eval_greedy_invalid_episodes=2))) + '\n')
+    edited = sample.main([ckpt, '--eval', '--show=0'])  # greedy: its own logged count
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert not edited['logged']['same'] and ': invalid_episodes 2 (here 0): not the same' in line, line
     (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **old_names)) + '\n')
     old = sample.main([ckpt, '--eval', '--show=0', '--sampled'])['logged']
     assert old['same'] and 'tt' in old['numbers'] and not any(k.startswith('stop_') for k in old['numbers']), old

@@ -627,6 +627,7 @@ def test_an_evaluation_warns_once_for_each_split_and_decoding(monkeypatch, capsy
         [' evaluation (held-out, greedy)', ' evaluation (held-out, sampled)', ' evaluation (validation, greedy)',
          ' evaluation (validation, sampled)']), err
     assert out['eval_invalid_episodes'] == cfg['eval_samples'] == out['eval_val_invalid_episodes']
+    assert out['eval_greedy_invalid_episodes'] == 1 == out['eval_val_greedy_invalid_episodes']  # one greedy episode a task
 
 
 def test_format_metrics_count_malformed_turns_and_episodes():
