@@ -200,6 +200,9 @@ def gym_module(cfg, defaults=None):
             fail(f"gyms/{name}.py defines no {attr} (gym.py lists what a gym module defines)")
     if mod.MODEL not in ('tiny', 'hf', 'any'):
         fail(f"gyms/{name}.py: MODEL is {mod.MODEL!r}; it must be 'tiny', 'hf' or 'any'")
+    task_keys = getattr(mod, 'TASK_KEYS', ())
+    if not isinstance(task_keys, tuple) or not set(task_keys) <= set(mod.KEYS):
+        fail(f"gyms/{name}.py: TASK_KEYS is {task_keys!r}; it must be a tuple of its KEYS")
     if mod.MODEL == 'tiny' and cfg['model'] != 'tiny':
         fail(f"gym {name!r} builds its own word vocabulary for model: tiny, not {cfg['model']!r}")
     if mod.MODEL == 'hf' and cfg['model'] == 'tiny':

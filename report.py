@@ -197,8 +197,8 @@ def check_out_dir(cfg, master=True):
                    if cfg['resume'] else (None, None))
     old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
     metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
-    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank', *getattr(gym_module(cfg), 'TASK_KEYS', ())) \
-        + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
+    keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank') + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
+    keys += tuple(k for k in getattr(gym_module(cfg), 'TASK_KEYS', ()) if k not in keys)
     differ = [k for k in keys if state is not None and state['config'].get(k, cfg[k]) != cfg[k]]
     if {'gym', 'model'} & set(differ):  # another gym or model: that is the reason (its other keys came from the defaults)
         differ = [k for k in differ if k in ('gym', 'model')]
@@ -242,7 +242,7 @@ def check_out_dir(cfg, master=True):
 def start_fresh(cfg, master=True):
     """A fresh run's out_dir: made (only now: a set-up that failed leaves none behind); with
     overwrite=True the earlier run's checkpoints and rollout dumps removed (check_out_dir refused
-    them otherwise; nothing else is touched); config.json written before the warm start, so a run
+    them otherwise; nothing else is touched but metrics.jsonl, which step 0 starts anew); config.json written before the warm start, so a run
     stopped during it still says what it was."""
     try:
         os.makedirs(cfg['out_dir'], exist_ok=True)
@@ -255,9 +255,10 @@ def start_fresh(cfg, master=True):
     old = sorted(glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS)))
     dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], ROLLOUT_DUMPS))) if cfg['overwrite'] else []
     metrics = cfg['overwrite'] and os.path.exists(os.path.join(cfg['out_dir'], METRICS))  # step 0 starts it anew
-    if old or dumps or metrics:
-        print(f"overwrite: removing {len(old)} checkpoint(s) and {len(dumps)} rollout dump(s) of an earlier run "
-              f"in {cfg['out_dir']}" + (f"; its {METRICS} is replaced" if metrics else ''))
+    gone = [f'{n} {what}' for n, what in ((len(old), 'checkpoint(s)'), (len(dumps), 'rollout dump(s)')) if n]
+    said = ([f"removing {' and '.join(gone)}"] if gone else []) + ([f"its {METRICS} is started anew at step 0"] if metrics else [])
+    if said:
+        print(f"overwrite: an earlier run in {cfg['out_dir']}: {', '.join(said)}")
         for p in old + dumps:
             os.remove(p)
     write_config(cfg)

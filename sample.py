@@ -18,7 +18,8 @@ Flags of this script: --split=heldout|train|val --n=4 --html=FILE --greedy --unt
 with --eval: --sampled (eval_samples episodes per task at the config's temperature, as train.py;
 default greedy, one per task), --batch=512 (episodes per rollout batch), --show=2 (episodes printed),
 --json=FILE (the numbers and each episode's outcome). A checkpoint's --eval samples from the generator
-train.py's evaluation used at its step, in train.py's batches: greedy prints the run's eval_greedy_success,
+train.py's evaluation used at its step, in train.py's batches: greedy prints the run's eval_greedy_success
+(and compares its invalid episodes with eval_greedy_invalid_episodes),
 and --sampled its eval_success_rate and other eval_* numbers (eval_val_* with --split=val); a line
 after them gives the numbers the run logged (its metrics.jsonl), whether they are the same, and the
 settings that differ from the run's evaluation (JSON: `logged`). Another
@@ -422,9 +423,11 @@ def logged_numbers(ckpt, split, sampled):
         return None, (f"{metrics} has no evaluation of this split at step {ckpt['step']} (not evaluated: eval_every; "
                       "or its line is unreadable)")
     if not sampled:  # greedy_success and, on memory gyms, greedy_success_k1..; its invalid episodes where logged
-        greedy, row = prefix + 'greedy_success', rows[-1]
+        greedy, invalid, row = prefix + 'greedy_success', prefix + 'greedy_invalid_episodes', rows[-1]
         numbers = {'success_rate' + k[len(greedy):]: v for k, v in row.items() if k.startswith(greedy)}
-        return dict(numbers, **{'invalid_episodes': row[k] for k in [prefix + 'greedy_invalid_episodes'] if k in row}), None
+        if invalid in row:  # logged by train.py since it counts greedy invalid episodes
+            numbers['invalid_episodes'] = row[invalid]
+        return numbers, None
     numbers = {k[len(prefix):]: v for k, v in rows[-1].items() if k.startswith(prefix)}
     if 'stop_truncated' in numbers:  # logged before the stops named their limit: its stop_max_turns was a gym's budget
         numbers = {k: v for k, v in numbers.items() if not k.startswith('stop_')}

@@ -36,7 +36,8 @@ from gyms.bugfix_code import (ACCS, EDIT_OPS, FN_NAMES, HELDOUT, INT_RANGE, LIST
 
 MODEL = 'tiny'
 KEYS = ('train_variants', 'train_generated', 'val_tasks')
-TASK_KEYS = ('train_variants', 'train_generated')  # validation excludes the training functions, and needs their words
+TASK_KEYS = ('train_variants', 'train_generated')  # validation excludes the training functions and needs their words;
+# the checkpoint's vocabulary holds only theirs
 TOOLS = ('read', 'edit', 'undo', 'test', 'submit')
 ALL_CALLS = ([f'<call> {t} </call>' for t in ('read', 'undo', 'test', 'submit')]
              + [f'<call> edit {op} </call>' for op in EDIT_OPS])

@@ -43,6 +43,7 @@ def test_the_gyms_are_found():
 def test_every_gym_keeps_the_contract(name, model):
     mod = GYMS[name]
     assert mod.MODEL in ('tiny', 'hf', 'any') and isinstance(mod.KEYS, tuple) and set(mod.KEYS) <= set(config)
+    assert isinstance(getattr(mod, 'TASK_KEYS', ()), tuple) and set(getattr(mod, 'TASK_KEYS', ())) <= set(mod.KEYS)
     cfg = small_cfg(name, model=model)
     g = load_gym(cfg, defaults=config)
     assert set(SETUP_KEYS) <= set(g) and isinstance(g['fmt'], gym.Format)
@@ -181,11 +182,13 @@ def test_a_broken_gym_file_stops_only_its_own_gym(tmp_path, monkeypatch, capsys)
         (folder / f.name).write_text(f.read_text())
     (folder / 'halfdone.py').write_text('def setup(cfg, vocab=None:\n')
     (folder / 'nomodel.py').write_text('KEYS = ()\ndef setup(cfg, vocab=None):\n    return {}\n')
+    (folder / 'badtaskkeys.py').write_text("MODEL = 'any'\nKEYS = ('data',)\nTASK_KEYS = 'data'\ndef setup(cfg, vocab=None):\n    return {}\n")
     monkeypatch.setattr(gym, 'GYMS', folder)
     monkeypatch.setattr(gyms, '__path__', [str(folder)])
     assert load_gym(small_cfg('example'), None, config)['train_tasks']
     for name, needle in (('halfdone', 'gyms/halfdone.py does not import: SyntaxError'),
-                         ('nomodel', 'gyms/nomodel.py defines no MODEL')):
+                         ('nomodel', 'gyms/nomodel.py defines no MODEL'),
+                         ('badtaskkeys', "gyms/badtaskkeys.py: TASK_KEYS is 'data'; it must be a tuple of its KEYS")):
         with pytest.raises(SystemExit):
             load_gym(dict(small_cfg('example'), gym=name), None, config)
         err = capsys.readouterr().err

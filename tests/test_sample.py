@@ -573,6 +573,10 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     edited = sample.main([ckpt, '--eval', '--show=0'])  # greedy: its own logged count
     line = capsys.readouterr().out.splitlines()[-2]
     assert not edited['logged']['same'] and ': invalid_episodes 2 (here 0): not the same' in line, line
+    older = {k: v for k, v in logged.items() if k != 'eval_greedy_invalid_episodes'}  # a log from before the count
+    (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **older)) + '\n')
+    before = sample.main([ckpt, '--eval', '--show=0'])['logged']
+    assert before['same'] and 'invalid_episodes' not in before['numbers'], before
     (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **old_names)) + '\n')
     old = sample.main([ckpt, '--eval', '--show=0', '--sampled'])['logged']
     assert old['same'] and 'tt' in old['numbers'] and not any(k.startswith('stop_') for k in old['numbers']), old

@@ -180,7 +180,7 @@ def test_resume_with_another_model_size_names_the_key(one_step, tmp_path):
     p = train(tmp_path, '--resume', '--gym=memory', check=False, small=[])  # the gym is the reason, not the defaults' eval_tasks
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with gym 'bugfix', not "
                                               "'memory'; choose another out_dir for a new run\n")
-    p = train(tmp_path, '--steps=2', '--resume=True', '--train_generated=4', check=False)  # bugfix's TASK_KEYS: other validation tasks
+    p = train(tmp_path, '--steps=2', '--resume=True', '--train_generated=4', check=False)  # bugfix's TASK_KEYS: other training words
     assert p.returncode == 2 and p.stderr == (f"error: --resume=True: {tmp_path} was trained with train_generated 0, not 4; "
                                               "choose another out_dir for a new run\n")
     p = train(tmp_path, '--steps=2', '--resume=True', '--seed=7', '--eval_tasks=5', check=False)  # every difference named
@@ -388,7 +388,8 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path)
     (tmp_path / 'notes.txt').write_text('mine')
     (tmp_path / 'rollout_best.pt').write_text('mine')  # a user's file, named like a dump but not one train.py writes
     p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
-    assert 'overwrite: removing 2 checkpoint(s) and 1 rollout dump(s)' in p.stdout and 'metrics.jsonl is replaced' in p.stdout
+    assert (f'overwrite: an earlier run in {tmp_path}: removing 2 checkpoint(s) and 1 rollout dump(s), its metrics.jsonl '
+            'is started anew at step 0') in p.stdout
     assert not (tmp_path / 'rollout_000001.pt').exists() and (tmp_path / 'notes.txt').read_text() == 'mine'
     assert (tmp_path / 'rollout_best.pt').read_text() == 'mine'
     state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
