@@ -132,6 +132,12 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f'ckpt_{step:06d}.pt')
 
 
+def run_files(out_dir, pattern):
+    """The files of out_dir that match pattern (CHECKPOINTS, ROLLOUT_DUMPS), sorted: regular files only, so
+    that a user's folder named like one is never loaded, renamed or removed."""
+    return sorted(p for p in glob.glob(os.path.join(out_dir, pattern)) if os.path.isfile(p))
+
+
 def rollout_path(out_dir, step):
     """out_dir/rollout_<step>.pt, the training batch dump_rollouts writes at an evaluation step (ROLLOUT_DUMPS globs them)."""
     return os.path.join(out_dir, f'rollout_{step:06d}.pt')
@@ -146,7 +152,7 @@ def save_checkpoint(state, out_dir, step, keep):
     tmp = path + '.tmp'
     torch.save(state, tmp)
     os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    mine = [p for p in sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS))) if checkpoint_path(out_dir, 0) < p <= path]
+    mine = [p for p in run_files(out_dir, CHECKPOINTS) if checkpoint_path(out_dir, 0) < p <= path]
     for old in mine[:-keep]:
         os.remove(old)
     return path
@@ -165,7 +171,7 @@ def load_latest_checkpoint(out_dir, if_all_corrupt):
     """The newest checkpoint in out_dir that loads; a corrupt one is reported and skipped.
     Returns (state, path) or (None, None) when there is none. When there are checkpoints but none
     loads, exits 2 with one line ending in the caller's advice `if_all_corrupt`: nothing is deleted."""
-    paths = sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS)), reverse=True)
+    paths = run_files(out_dir, CHECKPOINTS)[::-1]
     for path in paths:
         try:
             return read_checkpoint(path), path
@@ -195,7 +201,7 @@ def check_out_dir(cfg, master=True):
     that ends there), or notes that they change nothing when the run is finished. Runs before the gym's set-up."""
     state, path = (load_latest_checkpoint(cfg['out_dir'], 'run with --overwrite=True instead of --resume=True to start again')
                    if cfg['resume'] else (None, None))
-    old = glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))
+    old, dumps = run_files(cfg['out_dir'], CHECKPOINTS), run_files(cfg['out_dir'], ROLLOUT_DUMPS)
     metrics = os.path.exists(os.path.join(cfg['out_dir'], METRICS))
     keys = ('gym', 'model', 'seed', 'eval_tasks', 'val_tasks', 'lora_rank') + (MODEL_SHAPE if cfg['model'] == 'tiny' else ())
     keys += tuple(k for k in getattr(gym_module(cfg), 'TASK_KEYS', ()) if k not in keys)
@@ -211,9 +217,9 @@ def check_out_dir(cfg, master=True):
     if cfg['resume'] and not old and metrics:  # killed before its first checkpoint, or they were moved away
         fail(f"--resume=True: {cfg['out_dir']} holds {METRICS} but no checkpoint to continue from; "
              f"--overwrite=True replaces the run, or choose another out_dir")
-    if state is None and (old or metrics) and not cfg['overwrite']:
+    if state is None and (old or metrics or dumps) and not cfg['overwrite']:  # a fresh run would mix its files with these
         fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), {METRICS} "
-             f"{'present' if metrics else 'absent'}): --resume=True continues it, "
+             f"{'present' if metrics else 'absent'}{f', {len(dumps)} rollout dump(s)' if dumps else ''}): --resume=True continues it, "
              f"--overwrite=True replaces it, or choose another out_dir")
     if state is None and not cfg['overwrite']:  # files a run writes, but no run: a user's, or another set-up's
         try:
@@ -252,8 +258,8 @@ def start_fresh(cfg, master=True):
         return
     if cfg['resume']:
         print(f"--resume=True: no checkpoint in {cfg['out_dir']}, starting from scratch")
-    old = sorted(glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS)))
-    dumps = sorted(glob.glob(os.path.join(cfg['out_dir'], ROLLOUT_DUMPS))) if cfg['overwrite'] else []
+    old = run_files(cfg['out_dir'], CHECKPOINTS)
+    dumps = run_files(cfg['out_dir'], ROLLOUT_DUMPS) if cfg['overwrite'] else []
     metrics = cfg['overwrite'] and os.path.exists(os.path.join(cfg['out_dir'], METRICS))  # step 0 starts it anew
     gone = [f'{n} {what}' for n, what in ((len(old), 'checkpoint(s)'), (len(dumps), 'rollout dump(s)')) if n]
     said = ([f"removing {' and '.join(gone)}"] if gone else []) + ([f"its {METRICS} is started anew at step 0"] if metrics else [])
@@ -294,7 +300,7 @@ def resume_base(out_dir, argv):
     config.json, no checkpoint) and argv names no YAML file: the defaults would start a run nobody asked
     for, in what is most likely a mistyped folder."""
     saved = saved_config(out_dir)
-    if not saved and not glob.glob(os.path.join(out_dir, CHECKPOINTS)) and all(a.startswith('-') for a in argv):
+    if not saved and not run_files(out_dir, CHECKPOINTS) and all(a.startswith('-') for a in argv):
         fail(f"--resume=True: {out_dir} holds no run to continue (no {CONFIG}, no checkpoint); to start one there, "
              f"name its config: python train.py config/NAME.yaml --out_dir={out_dir}")
     return saved
@@ -325,7 +331,7 @@ def restore(ckpt, cfg, model, opt, rng, gen, rank=0):
     torch.set_rng_state(state['rng']['torch'])
     gen.set_state(state['rng']['gen'][min(rank, len(state['rng']['gen']) - 1)])
     if rank == 0:
-        for p in sorted(glob.glob(os.path.join(cfg['out_dir'], CHECKPOINTS))):
+        for p in run_files(cfg['out_dir'], CHECKPOINTS):
             if p > path:  # skipped as corrupt by load_latest_checkpoint
                 os.replace(p, p + '.corrupt')
                 print(f"--resume=True: {p} did not load; renamed to {os.path.basename(p)}.corrupt")
@@ -576,7 +582,7 @@ def run_summary(out_dir, cfg, wall_s):
     base = {k[len('eval_baseline_'):]: v for r in rows for k, v in r.items() if k.startswith('eval_baseline_')}
     if base:
         lines.append('  baselines    ' + ', '.join(f'{k} {v:.3f}' for k, v in sorted(base.items())))
-    ckpts = sorted(glob.glob(os.path.join(out_dir, CHECKPOINTS)))
+    ckpts = run_files(out_dir, CHECKPOINTS)
     last = checkpoint_path(out_dir, steps)  # this run's last save, not a stray newer-named file
     for name, path in [('checkpoint', last if last in ckpts else ckpts[-1] if ckpts else os.path.join(out_dir, 'ckpt_*.pt')),
                        ('metrics', metrics), ('curves', os.path.join(out_dir, CURVES))]:

@@ -452,7 +452,8 @@ def compare_with_log(numbers, ckpt, split, sampled, cfg, batch):
                 if k not in NOT_EVALUATION_KEYS + unread and k in ckpt['config'] and ckpt['config'][k] != v]
     if batch != EVAL_EPISODES_PER_BATCH:
         settings.append(f'batch {EVAL_EPISODES_PER_BATCH} -> {batch} (--batch)')
-    keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared]
+    keys = differ[:4] or [k for k in ('success_rate', 'em', 'truncation_rate', 'turn_format_ok') if k in shared] \
+        + ['invalid_episodes'] * bool(shared.get('invalid_episodes'))  # a broken env's count, said when there is one
     num = lambda v: f'{v:.3f}' if isinstance(v, float) else str(v)  # a count (invalid_episodes) stays a count
     shown = ', '.join(f'{k} {num(shared[k])}' + (f' (here {num(numbers[k])})' if k in differ else '') for k in keys)
     verdict = 'the same' if not differ else 'not the same'

@@ -573,6 +573,9 @@ def test_eval_of_a_checkpoint_prints_what_its_run_logged_and_what_differs(tmp_pa
     edited = sample.main([ckpt, '--eval', '--show=0'])  # greedy: its own logged count
     line = capsys.readouterr().out.splitlines()[-2]
     assert not edited['logged']['same'] and ': invalid_episodes 2 (here 0): not the same' in line, line
+    (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **dict(logged, eval_greedy_invalid_episodes=0))) + '\n')
+    sample.main([ckpt, '--eval', '--show=0'])
+    assert 'invalid_episodes' not in capsys.readouterr().out.splitlines()[-2]  # none: not said
     older = {k: v for k, v in logged.items() if k != 'eval_greedy_invalid_episodes'}  # a log from before the count
     (tmp_path / 'metrics.jsonl').write_text(json.dumps(dict(step=7, **older)) + '\n')
     before = sample.main([ckpt, '--eval', '--show=0'])['logged']

@@ -387,11 +387,16 @@ def test_fresh_run_never_deletes_an_earlier_runs_checkpoints(one_step, tmp_path)
     (tmp_path / 'rollout_000001.pt').write_bytes(b'a dump of the earlier run')
     (tmp_path / 'notes.txt').write_text('mine')
     (tmp_path / 'rollout_best.pt').write_text('mine')  # a user's file, named like a dump but not one train.py writes
+    (tmp_path / 'rollout_000009.pt').mkdir()  # a user's folder named like a dump: never removed
     p = train(tmp_path, '--steps=1', '--save_every=1', '--overwrite=True')
     assert (f'overwrite: an earlier run in {tmp_path}: removing 2 checkpoint(s) and 1 rollout dump(s), its metrics.jsonl '
             'is started anew at step 0') in p.stdout
     assert not (tmp_path / 'rollout_000001.pt').exists() and (tmp_path / 'notes.txt').read_text() == 'mine'
-    assert (tmp_path / 'rollout_best.pt').read_text() == 'mine'
+    assert (tmp_path / 'rollout_best.pt').read_text() == 'mine' and (tmp_path / 'rollout_000009.pt').is_dir()
+    (tmp_path / 'dumps').mkdir()  # an earlier run's dumps alone: a fresh run would mix its own with them
+    (tmp_path / 'dumps' / 'rollout_000003.pt').write_bytes(b'a dump')
+    p = train(tmp_path / 'dumps', '--steps=1', check=False)
+    assert p.returncode == 2 and 'holds an earlier run (0 checkpoint(s), metrics.jsonl absent, 1 rollout dump(s))' in p.stderr
     state = torch.load(sorted(tmp_path.glob('ckpt_*.pt'))[-1], weights_only=False)
     assert state['vocab'][:3] == ['<pad>', '<bos>', '<unk>'] and len(state['vocab']) > 100
     (tmp_path / 'other').mkdir()  # a run killed before its first checkpoint left only its metrics
