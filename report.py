@@ -194,7 +194,8 @@ RUN_KEYS = ('steps', 'resume', 'overwrite', 'out_dir', 'threads', 'log_every', '
 def check_out_dir(cfg, master=True):
     """--resume's newest loadable checkpoint as (state, path), or None for a fresh run. Exits 2 with
     one line before a fresh run would replace an earlier run in out_dir without overwrite=True, or
-    when --resume finds another run's checkpoint (other gym, model, seed, tasks, a gym's TASK_KEYS or tiny-model shape),
+    when --resume finds another run's checkpoint (other gym, model, seed, tasks, a value of the gym's
+    TASK_KEYS or tiny-model shape),
     a checkpoint past `steps`, or metrics without any checkpoint, and before a fresh run would replace
     a curves.png or a config.json of other settings (a file of the user's); warns of other settings that differ
     from the checkpoint's (they apply from here on; steps too where min_lr >= 0 sets a cosine schedule
@@ -219,7 +220,8 @@ def check_out_dir(cfg, master=True):
              f"--overwrite=True replaces the run, or choose another out_dir")
     if state is None and (old or metrics or dumps) and not cfg['overwrite']:  # a fresh run would mix its files with these
         fail(f"{cfg['out_dir']} holds an earlier run ({len(old)} checkpoint(s), {METRICS} "
-             f"{'present' if metrics else 'absent'}{f', {len(dumps)} rollout dump(s)' if dumps else ''}): --resume=True continues it, "
+             f"{'present' if metrics else 'absent'}{f', {len(dumps)} rollout dump(s)' if dumps else ''}): "
+             f"--resume=True continues it, "
              f"--overwrite=True replaces it, or choose another out_dir")
     if state is None and not cfg['overwrite']:  # files a run writes, but no run: a user's, or another set-up's
         try:
@@ -248,8 +250,8 @@ def check_out_dir(cfg, master=True):
 def start_fresh(cfg, master=True):
     """A fresh run's out_dir: made (only now: a set-up that failed leaves none behind); with
     overwrite=True the earlier run's checkpoints and rollout dumps removed (check_out_dir refused
-    them otherwise; nothing else is touched but metrics.jsonl, which step 0 starts anew); config.json written before the warm start, so a run
-    stopped during it still says what it was."""
+    them otherwise; nothing else is touched but metrics.jsonl, which step 0 starts anew);
+    config.json written before the warm start, so a run stopped during it still says what it was."""
     try:
         os.makedirs(cfg['out_dir'], exist_ok=True)
     except OSError as e:
@@ -262,7 +264,8 @@ def start_fresh(cfg, master=True):
     dumps = run_files(cfg['out_dir'], ROLLOUT_DUMPS) if cfg['overwrite'] else []
     metrics = cfg['overwrite'] and os.path.exists(os.path.join(cfg['out_dir'], METRICS))  # step 0 starts it anew
     gone = [f'{n} {what}' for n, what in ((len(old), 'checkpoint(s)'), (len(dumps), 'rollout dump(s)')) if n]
-    said = ([f"removing {' and '.join(gone)}"] if gone else []) + ([f"its {METRICS} is started anew at step 0"] if metrics else [])
+    said = ([f"removing {' and '.join(gone)}"] if gone else []) \
+        + ([f"its {METRICS} is started anew at step 0"] if metrics else [])
     if said:
         print(f"overwrite: an earlier run in {cfg['out_dir']}: {', '.join(said)}")
         for p in old + dumps:
@@ -570,7 +573,8 @@ def run_summary(out_dir, cfg, wall_s):
     if peaks:  # what the machine must hold: the largest step's peak (resident set on the CPU, allocated on CUDA)
         lines.append(f"  peak memory  {max(peaks):.1f} GB (an RL step's)")
     rl_bad = sum(r['invalid_episodes'] for r in rows if _number(r.get('invalid_episodes')))
-    eval_bad = sum(v for r in rows for k, v in r.items() if k.startswith('eval_') and k.endswith('invalid_episodes') and _number(v))
+    eval_bad = sum(v for r in rows for k, v in r.items()
+                   if k.startswith('eval_') and k.endswith('invalid_episodes') and _number(v))
     if rl_bad or eval_bad:  # a broken env or reward: the warnings name the first of each kind
         lines.append(f"  invalid      {rl_bad:.0f} RL episode(s) (left out of the update), {eval_bad:.0f} evaluation episode(s) "
                      f"(greedy and sampled, every split and step; reward 0): the env raised or paid a non-number")
