@@ -519,7 +519,7 @@ def print_setup(cfg, gym_, model, seconds, processes):
     print(json.dumps(cfg))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     val = f" / {len(gym_['val_tasks'])} validation" if gym_.get('val_tasks') else ''
-    n_rl, spare = len(gym_['rl_tasks']), cfg.get('rl_spare_turns', config['rl_spare_turns'])
+    n_rl, spare = len(gym_['rl_tasks']), cfg['rl_spare_turns']
     rl = f"{n_rl} for RL" if n_rl != len(gym_['train_tasks']) else ''
     if spare != config['rl_spare_turns']:  # the memory gym's RL budget
         rl = f"{rl or 'RL'} with {spare} spare turn(s)"
